@@ -18,8 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-# The archs the ops serve, by CUDA compute capability.
-ARCH_BY_CAPABILITY: dict[tuple[int, int], str] = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+from .spec import ARCH_BY_CAPABILITY
 
 # Whether kernels run through Triton's interpreter (CPU tests). Read once: triton.jit decides at decoration time.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"

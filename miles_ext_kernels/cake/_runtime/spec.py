@@ -11,6 +11,9 @@ from typing import Any, Callable
 
 VARIANTS = ("det", "fast")
 
+# The archs ops may serve, by CUDA compute capability (each op lists the ones it serves in OpSpec.archs).
+ARCH_BY_CAPABILITY: dict[tuple[int, int], str] = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+
 
 @dataclass(frozen=True)
 class Flag:
@@ -68,7 +71,9 @@ class OpSpec:
     options:         op flags (`Flag`), each requiring the op's selector on the command line.
     validate:        callable(args) run by `validate_args` when the op is selected (startup checks).
     prebuild_params: model parameters `cake.prebuild(op, **params)` requires (exactly these).
-    archs:           GPU architectures the op's kernels serve (see build.ARCH_BY_CAPABILITY).
+    archs:           GPU architectures the op's kernels serve (see ARCH_BY_CAPABILITY).
+    impl_path:       implementation module (default `miles_ext_kernels.cake._impl.<name>`).
+    bench:           stem of its benchmark script `bench/<bench>.py` (default: the op name).
     """
 
     name: str
@@ -81,6 +86,7 @@ class OpSpec:
     prebuild_params: tuple[str, ...] = ()
     archs: tuple[str, ...] = ("sm_90a",)
     impl_path: str | None = None
+    bench: str | None = None
     _impl_cache: list = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self):

@@ -1,0 +1,81 @@
+"""Shared benchmark helpers: environment record, CUDA-event medians, results JSON.
+
+Every benchmark prints a table and writes `bench/results/<name>.json` with the GPU name, torch / triton versions,
+the date and its rows (medians); `bench/plot.py` draws the README plots from those files.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# Measured on our H200 (ANCHORS.md): the two ceilings the floors are computed against.
+MATMUL_TFLOPS = 760.0
+COPY_TBPS = 4.3
+
+
+def env_info() -> dict:
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = list(torch.cuda.get_device_capability())
+        info["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+    return info
+
+
+def median_ms(fn, warmup: int = 5, rep: int = 20, setup=None) -> float:
+    """Median wall time of `fn()` on the device, in ms, from CUDA events around each repetition.
+
+    `setup` (optional) runs before each repetition outside the timed region (e.g. to rotate inputs or zero grads).
+    """
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        if setup:
+            setup()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Path:
+    """Write `bench/results/<name>.json` (env + rows) and return its path; $BENCH_OUT (a folder) gets a copy."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    doc = {"bench": name, **env_info(), **(extra or {}), "rows": rows}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    out = os.environ.get("BENCH_OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(x[i]) for x in cells]) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for x in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(x, widths)))

@@ -1,0 +1,1 @@
+"""Kernel helpers shared by several ops (candidates for the runtime)."""

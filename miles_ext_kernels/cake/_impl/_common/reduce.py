@@ -1,0 +1,52 @@
+"""Fixed-order column reduction of per-program partial rows: the second stage of a deterministic weight gradient.
+
+A backward kernel that runs `P` persistent programs writes one fp32 partial row each into a `[P, N]` workspace;
+`reduce_columns` sums those rows column by column in a fixed order (a fixed number of rows per step, then one
+fixed-shape tree inside the program) and writes the result in the gradient's dtype. The order depends only on
+`P`, `N` and the compiled route, never on scheduling, so the result repeats bit for bit. With `P == 1` it is a
+plain fp32 -> out-dtype cast (used after an atomic accumulation).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from miles_ext_kernels.cake._runtime import build
+
+BLOCK_P = 32   # partial rows summed per step
+BLOCK_N = 128  # columns per program
+NUM_WARPS = 4
+
+OUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit(do_not_specialize=["P", "N"])
+def _reduce_columns_kernel(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        acc += tl.load(part_ptr + offs, mask=(rows < P)[:, None] & cmask[None, :], other=0.0)
+    total = tl.sum(acc, axis=0)
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def reduce_columns(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[:] = partial.sum(0) in a fixed order; partial fp32 `[P, N]` contiguous, out `[N]` contiguous."""
+    P, N = partial.shape
+    grid = (triton.cdiv(N, BLOCK_N),)
+    _reduce_columns_kernel[grid](partial, out, P, N, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+                                 num_stages=1)
+    return out
+
+
+def routes(prefix: str):
+    """The reduction's routes (one per output dtype)."""
+    return [build.Route(_reduce_columns_kernel, (torch.float32, dt, 264, 2048), (1,),
+                        {"BLOCK_P": BLOCK_P, "BLOCK_N": BLOCK_N, "num_warps": NUM_WARPS, "num_stages": 1},
+                        f"{prefix}reduce_columns[out={str(dt).replace('torch.', '')}]")
+            for dt in OUT_DTYPES]

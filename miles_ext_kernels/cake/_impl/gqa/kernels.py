@@ -1,0 +1,389 @@
+"""Triton kernels of `gqa`: packed causal GQA attention, head dim 256, forward and backward.
+
+Work decomposition (all kernels): a *tile* is a block of rows that starts at a segment start (tiles never straddle
+segments, so a document's bits do not depend on where it sits in the pack). `_tile_prefix_kernel` turns
+`cu_seqlens` into the running count of tiles per segment; a program finds its segment by a binary search over that
+prefix, and programs past the last tile zero the padding rows (tokens past `cu_seqlens[-1]`).
+
+Causal alignment is bottom-right per segment: query i of a segment with L_q queries and L_k keys sees keys
+j <= i + (L_k - L_q). Key blocks that every row of a query tile sees run without masks; the others with masks.
+
+Interpreter (CPU tests): bf16 arithmetic is wrong there, so under `INTERPRET` operands are upcast to fp32 after
+the bf16 rounding the GPU path does, and the dots run in fp32.
+
+Triton 3.6 on Hopper miscompiles `tl.trans` of a `tl.dot` result fed to another `tl.dot` (see TRITON.md): the
+backward computes transposed products directly (S^T = K Q^T) and only transposes loaded tiles.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# runtime ints and floats: never specialized, so the set of compiled routes is finite
+_RUNTIME = ["sm_scale", "T_q", "T_k", "n_seg", "n_iter", "H_q", "H_kv", "group"]
+
+
+@triton.jit(do_not_specialize=["n_seg", "tile"])
+def _tile_prefix_kernel(CU, TS, n_seg, tile, BLOCK: tl.constexpr):
+    """TS[s] = number of `tile`-row tiles of the segments before s (TS has n_seg + 1 entries)."""
+    tl.store(TS, 0)
+    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
+    for c in range(0, n_seg, BLOCK):
+        idx = c + tl.arange(0, BLOCK)
+        valid = idx < n_seg
+        lo = tl.load(CU + idx, mask=valid, other=0)
+        hi = tl.load(CU + idx + 1, mask=valid, other=0)
+        cnt = tl.where(valid, (tl.maximum(hi - lo, 0) + tile - 1) // tile, 0)
+        cs = tl.cumsum(cnt, 0) + carry
+        tl.store(TS + idx + 1, cs, mask=valid)
+        carry += tl.sum(cnt, 0)
+
+
+@triton.jit
+def _find_tile(TS, CU_A, CU_B, t, n_seg, n_iter, REVERSE: tl.constexpr):
+    """Segment s with TS[s] <= t < TS[s+1]; the tile's index within it (REVERSE: last tile first, which is the
+    heaviest causal query tile), and the segment's start and length in CU_A and CU_B."""
+    lo = t * 0
+    hi = lo + n_seg
+    for _ in range(n_iter):
+        mid = (lo + hi) // 2
+        go = tl.load(TS + mid) <= t
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    seg = lo
+    first = tl.load(TS + seg)
+    n_tiles = tl.load(TS + seg + 1) - first
+    if REVERSE:
+        local = n_tiles - 1 - (t - first)
+    else:
+        local = t - first
+    a0 = tl.load(CU_A + seg)
+    la = tl.load(CU_A + seg + 1) - a0
+    b0 = tl.load(CU_B + seg)
+    lb = tl.load(CU_B + seg + 1) - b0
+    return local, a0, la, b0, lb
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# forward
+@triton.jit
+def _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
+               MASK: tl.constexpr, INTERPRET: tl.constexpr):
+    if MASK:
+        kvalid = (n + offs_n) < L_k
+        kT = tl.load(kT_ptrs, mask=kvalid[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
+    else:
+        kT = tl.load(kT_ptrs)
+        v = tl.load(v_ptrs)
+    if INTERPRET:
+        kT = kT.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, kT) * qk_scale
+    if MASK:
+        keep = ((n + offs_n)[None, :] <= (m0 + offs_m)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pc = p.to(tl.bfloat16)
+    if INTERPRET:
+        pc = pc.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(pc, v)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
+                sm_scale, T_q, n_seg, n_iter, H_q, group,
+                sqt, sqh, skt, skh, svt, svh, sot, soh,
+                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % H_q
+    t = pid // H_q
+    hk = h // group
+    total = tl.load(TS + n_seg)
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    if t >= total:
+        # padding rows past cu_seqlens_q[-1]: out 0, LSE -inf
+        rows = tl.load(CU_Q + n_seg) + (t - total) * BM + offs_m
+        rmask = rows < T_q
+        o_ptrs = O + rows.to(tl.int64)[:, None] * sot + h * soh + offs_d[None, :]
+        tl.store(o_ptrs, tl.zeros([BM, D], dtype=O.dtype.element_ty), mask=rmask[:, None])
+        tl.store(LSE + h.to(tl.int64) * T_q + rows, tl.full([BM], float("-inf"), tl.float32), mask=rmask)
+    else:
+        local, q0, L_q, k0, L_k = _find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)
+        m0 = local * BM
+        offset = L_k - L_q
+        qk_scale = sm_scale * 1.4426950408889634
+        rvalid = (m0 + offs_m) < L_q
+        q_ptrs = Q + (q0 + m0).to(tl.int64) * sqt + h * sqh + (offs_m[:, None] * sqt + offs_d[None, :])
+        q = tl.load(q_ptrs, mask=rvalid[:, None], other=0.0)
+        if INTERPRET:
+            q = q.to(tl.float32)
+        kbase = K + k0.to(tl.int64) * skt + hk * skh
+        vbase = V + k0.to(tl.int64) * svt + hk * svh
+        kT_ptrs = kbase + (offs_n[None, :] * skt + offs_d[:, None])
+        v_ptrs = vbase + (offs_n[:, None] * svt + offs_d[None, :])
+        acc = tl.zeros([BM, D], dtype=tl.float32)
+        l_i = tl.zeros([BM], dtype=tl.float32)
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        # key blocks every row of the tile sees in full: [0, n_full)
+        n_full = (tl.maximum(tl.minimum(m0 + offset + 1, L_k), 0) // BN) * BN
+        hi = tl.maximum(tl.minimum(L_k, m0 + BM + offset), 0)
+        for n in range(0, n_full, BN):
+            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k,
+                                       qk_scale, False, INTERPRET)
+            kT_ptrs += BN * skt
+            v_ptrs += BN * svt
+        for n in range(n_full, hi, BN):
+            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k,
+                                       qk_scale, True, INTERPRET)
+            kT_ptrs += BN * skt
+            v_ptrs += BN * svt
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        o_ptrs = O + (q0 + m0).to(tl.int64) * sot + h * soh + (offs_m[:, None] * sot + offs_d[None, :])
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=rvalid[:, None])
+        tl.store(LSE + h.to(tl.int64) * T_q + q0 + m0 + offs_m, lse, mask=rvalid)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# backward: delta = rowsum(dO * O)
+@triton.jit(do_not_specialize=_RUNTIME)
+def _bwd_delta_kernel(O, DO, DELTA, T_q, H_q, sot, soh, sdt, sdh,
+                      D: tl.constexpr, BR: tl.constexpr, INTERPRET: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % H_q
+    r = pid // H_q
+    rows = r * BR + tl.arange(0, BR)
+    offs_d = tl.arange(0, D)
+    rmask = rows < T_q
+    rows64 = rows.to(tl.int64)
+    o = tl.load(O + rows64[:, None] * sot + h * soh + offs_d[None, :], mask=rmask[:, None], other=0.0)
+    do = tl.load(DO + rows64[:, None] * sdt + h * sdh + offs_d[None, :], mask=rmask[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + h.to(tl.int64) * T_q + rows, delta, mask=rmask)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# backward: dQ per (query tile, query head), looping key blocks in order (no atomics)
+@triton.jit
+def _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
+              MASK: tl.constexpr, INTERPRET: tl.constexpr):
+    if MASK:
+        kvalid = (n + offs_n) < L_k
+        k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if INTERPRET:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASK:
+        keep = ((n + offs_n)[None, :] <= (m0 + offs_m)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
+        p = tl.where(keep, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    dsc = ds.to(tl.bfloat16)
+    if INTERPRET:
+        dsc = dsc.to(tl.float32)
+    dq += tl.dot(dsc, k)
+    return dq
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, TS,
+                   sm_scale, T_q, n_seg, n_iter, H_q, group,
+                   sqt, sqh, skt, skh, svt, svh, sdt, sdh, sdqt, sdqh,
+                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % H_q
+    t = pid // H_q
+    hk = h // group
+    total = tl.load(TS + n_seg)
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    if t >= total:
+        rows = tl.load(CU_Q + n_seg) + (t - total) * BM + offs_m
+        rmask = rows < T_q
+        tl.store(DQ + rows.to(tl.int64)[:, None] * sdqt + h * sdqh + offs_d[None, :],
+                 tl.zeros([BM, D], dtype=DQ.dtype.element_ty), mask=rmask[:, None])
+    else:
+        local, q0, L_q, k0, L_k = _find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)
+        m0 = local * BM
+        offset = L_k - L_q
+        qk_scale = sm_scale * 1.4426950408889634
+        rvalid = (m0 + offs_m) < L_q
+        row0 = (q0 + m0).to(tl.int64)
+        q = tl.load(Q + row0 * sqt + h * sqh + (offs_m[:, None] * sqt + offs_d[None, :]),
+                    mask=rvalid[:, None], other=0.0)
+        do = tl.load(DO + row0 * sdt + h * sdh + (offs_m[:, None] * sdt + offs_d[None, :]),
+                     mask=rvalid[:, None], other=0.0)
+        if INTERPRET:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse = tl.load(LSE + h.to(tl.int64) * T_q + q0 + m0 + offs_m, mask=rvalid, other=0.0)
+        lse2 = lse * 1.4426950408889634
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that see no key: P = 0
+        delta = tl.load(DELTA + h.to(tl.int64) * T_q + q0 + m0 + offs_m, mask=rvalid, other=0.0)
+        k_ptrs = K + k0.to(tl.int64) * skt + hk * skh + (offs_n[:, None] * skt + offs_d[None, :])
+        v_ptrs = V + k0.to(tl.int64) * svt + hk * svh + (offs_n[:, None] * svt + offs_d[None, :])
+        dq = tl.zeros([BM, D], dtype=tl.float32)
+        n_full = (tl.maximum(tl.minimum(m0 + offset + 1, L_k), 0) // BN) * BN
+        hi = tl.maximum(tl.minimum(L_k, m0 + BM + offset), 0)
+        for n in range(0, n_full, BN):
+            dq = _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
+                           False, INTERPRET)
+            k_ptrs += BN * skt
+            v_ptrs += BN * svt
+        for n in range(n_full, hi, BN):
+            dq = _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
+                           True, INTERPRET)
+            k_ptrs += BN * skt
+            v_ptrs += BN * svt
+        dq = dq * sm_scale
+        tl.store(DQ + row0 * sdqt + h * sdqh + (offs_m[:, None] * sdqt + offs_d[None, :]),
+                 dq.to(DQ.dtype.element_ty), mask=rvalid[:, None])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# backward: dK, dV per (key tile, kv head), looping the group's query heads in a fixed order (no atomics);
+# with FUSE_DQ (fast variant) the same loop also adds dQ = dS K into an fp32 scratch with atomics.
+@triton.jit
+def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, offs_n, offs_d, n0, offset, L_q,
+                T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
+                MASK: tl.constexpr, FUSE_DQ: tl.constexpr, INTERPRET: tl.constexpr):
+    rows = m + offs_m
+    rel = (q_row0 + m).to(tl.int64)
+    q_ptrs = Q + rel * sqt + h * sqh + (offs_m[:, None] * sqt + offs_d[None, :])
+    do_ptrs = DO + rel * sdt + h * sdh + (offs_m[:, None] * sdt + offs_d[None, :])
+    lse_ptrs = LSE + h.to(tl.int64) * T_q + q_row0 + rows
+    dl_ptrs = DELTA + h.to(tl.int64) * T_q + q_row0 + rows
+    if MASK:
+        rvalid = rows < L_q
+        q = tl.load(q_ptrs, mask=rvalid[:, None], other=0.0)
+        do = tl.load(do_ptrs, mask=rvalid[:, None], other=0.0)
+        lse = tl.load(lse_ptrs, mask=rvalid, other=0.0)
+        delta = tl.load(dl_ptrs, mask=rvalid, other=0.0)
+    else:
+        q = tl.load(q_ptrs)
+        do = tl.load(do_ptrs)
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(dl_ptrs)
+    if INTERPRET:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = lse * 1.4426950408889634
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    sT = tl.dot(k, tl.trans(q)) * qk_scale  # [BN, BM]
+    pT = tl.math.exp2(sT - lse2[None, :])
+    if MASK:
+        keep = (n0 + offs_n)[:, None] <= rows[None, :] + offset
+        pT = tl.where(keep, pT, 0.0)
+    pc = pT.to(tl.bfloat16)
+    if INTERPRET:
+        pc = pc.to(tl.float32)
+    dv += tl.dot(pc, do)
+    dpT = tl.dot(v, tl.trans(do))
+    dsT = pT * (dpT - delta[None, :])
+    dsc = dsT.to(tl.bfloat16)
+    if INTERPRET:
+        dsc = dsc.to(tl.float32)
+    dk += tl.dot(dsc, q)
+    if FUSE_DQ:
+        dqp = tl.dot(tl.trans(dsc), k)  # [BM, D]
+        a_ptrs = DQA + rel * sat + h * sah + (offs_m[:, None] * sat + offs_d[None, :])
+        if MASK:
+            tl.atomic_add(a_ptrs, dqp, mask=(rows < L_q)[:, None], sem="relaxed")
+        else:
+            tl.atomic_add(a_ptrs, dqp, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU_Q, CU_K, TS,
+                     sm_scale, T_q, T_k, n_seg, n_iter, H_kv, group,
+                     sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, sdkt, sdkh, sdvt, sdvh,
+                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FUSE_DQ: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    pid = tl.program_id(0)
+    hk = pid % H_kv
+    t = pid // H_kv
+    total = tl.load(TS + n_seg)
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    if t >= total:
+        rows = tl.load(CU_K + n_seg) + (t - total) * BN + offs_n
+        rmask = rows < T_k
+        r64 = rows.to(tl.int64)
+        tl.store(DK + r64[:, None] * sdkt + hk * sdkh + offs_d[None, :],
+                 tl.zeros([BN, D], dtype=DK.dtype.element_ty), mask=rmask[:, None])
+        tl.store(DV + r64[:, None] * sdvt + hk * sdvh + offs_d[None, :],
+                 tl.zeros([BN, D], dtype=DV.dtype.element_ty), mask=rmask[:, None])
+    else:
+        # TS counts key tiles: _find_tile's "a" is the key side here
+        local, k0, L_k, q0, L_q = _find_tile(TS, CU_K, CU_Q, t, n_seg, n_iter, False)
+        n0 = local * BN
+        offset = L_k - L_q
+        qk_scale = sm_scale * 1.4426950408889634
+        kvalid = (n0 + offs_n) < L_k
+        krow0 = (k0 + n0).to(tl.int64)
+        k = tl.load(K + krow0 * skt + hk * skh + (offs_n[:, None] * skt + offs_d[None, :]),
+                    mask=kvalid[:, None], other=0.0)
+        v = tl.load(V + krow0 * svt + hk * svh + (offs_n[:, None] * svt + offs_d[None, :]),
+                    mask=kvalid[:, None], other=0.0)
+        if INTERPRET:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        dk = tl.zeros([BN, D], dtype=tl.float32)
+        dv = tl.zeros([BN, D], dtype=tl.float32)
+        # query blocks (aligned to the segment start) that see some key of the tile: [m_lo, L_q);
+        # those from m_full on see every key of it (no causal mask)
+        m_lo = (tl.maximum(n0 - offset, 0) // BM) * BM
+        m_full = tl.maximum(((tl.maximum(n0 + BN - 1 - offset, 0) + BM - 1) // BM) * BM, m_lo)
+        m_mask_end = tl.minimum(m_full, L_q)
+        m_u_end = tl.maximum(m_full + ((L_q - m_full) // BM) * BM, m_full)
+        for g in range(group):
+            h = hk * group + g
+            for m in range(m_lo, m_mask_end, BM):
+                dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
+                                     offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
+                                     True, FUSE_DQ, INTERPRET)
+            for m in range(m_full, m_u_end, BM):
+                dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
+                                     offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
+                                     False, FUSE_DQ, INTERPRET)
+            for m in range(m_u_end, L_q, BM):
+                dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
+                                     offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
+                                     True, FUSE_DQ, INTERPRET)
+        dk = dk * sm_scale
+        tl.store(DK + krow0 * sdkt + hk * sdkh + (offs_n[:, None] * sdkt + offs_d[None, :]),
+                 dk.to(DK.dtype.element_ty), mask=kvalid[:, None])
+        tl.store(DV + krow0 * sdvt + hk * sdvh + (offs_n[:, None] * sdvt + offs_d[None, :]),
+                 dv.to(DV.dtype.element_ty), mask=kvalid[:, None])
+
+
+@triton.jit(do_not_specialize=["n_elem", "sm_scale"])
+def _dq_cast_kernel(DQA, DQ, n_elem, sm_scale, BLOCK: tl.constexpr):
+    """DQ = bf16(DQA * sm_scale) (fast variant: DQA is the fp32 atomic accumulator, zero on padding rows)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elem
+    x = tl.load(DQA + offs, mask=mask, other=0.0)
+    tl.store(DQ + offs, (x * sm_scale).to(DQ.dtype.element_ty), mask=mask)

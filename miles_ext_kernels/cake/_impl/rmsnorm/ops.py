@@ -1,0 +1,303 @@
+"""Zero-centred RMSNorm: checks, launchers, the torch.library custom ops (with autograd and fake kernels).
+
+Layers: kernels.py (@triton.jit) -> launchers here (`rmsnorm_fwd`, `rmsnorm_bwd`: allocate, pick the route,
+launch; no autograd) -> custom ops `miles_ext_kernels::cake_rmsnorm_fwd/bwd` with `register_autograd` (the
+autograd function: saves x and the weight, nothing else; rstd is recomputed in the backward, which costs no
+extra bytes) -> the public `zero_centered_rmsnorm` / `ZeroCenteredRMSNorm`.
+
+Variants: det and fast differ only in the weight gradient. det: each persistent backward program writes its fp32
+partial row into a workspace `[P, H]`, then `_common.reduce.reduce_columns` sums the rows in a fixed order. fast:
+the programs add their rows atomically into one fp32 row (order not fixed). y and dx are computed the same way in
+both, one row at a time, and always repeat bit for bit.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import triton
+
+from miles_ext_kernels.cake import rmsnorm as _decl
+from miles_ext_kernels.cake._impl._common import reduce as _reduce
+from miles_ext_kernels.cake._runtime import build, checks, config, workspace
+
+from . import kernels
+
+OP = "rmsnorm"
+X_DTYPES = (torch.bfloat16,)
+W_DTYPES = (torch.float32, torch.bfloat16)
+
+# ------------------------------------------------------------------------------------------------------------------
+# Fixed configuration table (no autotuning: the same table in every process gives the same bits).
+# Token-count windows: calls with T <= SMALL_T rows use the "small" configs (fewer rows per program, so short
+# calls still spread over the SMs); longer calls use "large".
+SMALL_T = 1024
+WINDOWS = ("small", "large")
+# Persistent backward programs per arch: a fixed number (not the live SM count), so the partial-row layout, and
+# therefore the det weight gradient's bits, depend only on the token count.
+BWD_PROGRAMS = {"sm_90a": 264}
+_INTERPRETER_ARCH = "sm_90a"  # CPU tensors under the interpreter use the Hopper table
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def fwd_config(H: int, window: str):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward for width H."""
+    bn = _pow2(H)
+    if window == "small":
+        return max(1, 2048 // bn), bn, (4 if bn <= 2048 else 8 if bn <= 4096 else 16), 1
+    return max(1, 8192 // bn), bn, (8 if bn <= 4096 else 16), 1
+
+
+def bwd_config(H: int, window: str):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the backward for width H (both windows: same tile)."""
+    bn = _pow2(H)
+    return max(1, 4096 // bn), bn, (8 if bn <= 4096 else 16), 1
+
+
+def window_of(T: int) -> str:
+    return "small" if T <= SMALL_T else "large"
+
+
+_arch_cache: dict = {}
+
+
+def _arch(device: torch.device) -> str:
+    if device.type != "cuda":
+        return _INTERPRETER_ARCH
+    arch = _arch_cache.get(device.index)
+    if arch is None:
+        arch = _arch_cache[device.index] = build.device_arch(device)
+    return arch
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# operand handling
+COPIES: Counter = Counter()  # how often an operand had to be copied before a launch, by argument name
+
+
+def _rows(t: torch.Tensor, H: int, name: str) -> torch.Tensor:
+    """`t` as a `[T, H]` view with unit column stride, a row stride that is a multiple of 8 elements and a 16-byte
+    aligned start (what the kernels' vector loads assume); a contiguous copy when the layout does not allow it."""
+    if t.dim() >= 1 and t.stride(-1) == 1:
+        try:
+            v = t.view(-1, H)
+        except RuntimeError:
+            v = None
+        if v is not None and (v.shape[0] <= 1 or v.stride(0) % 8 == 0) and v.data_ptr() % 16 == 0:
+            return v
+    COPIES[name] += 1
+    out = torch.empty((t.numel() // H, H), dtype=t.dtype, device=t.device)
+    out.copy_(t.reshape(-1, H))
+    return out
+
+
+def _weight(w: torch.Tensor) -> torch.Tensor:
+    if w.stride(0) == 1 and w.data_ptr() % 16 == 0:
+        return w
+    COPIES["weight"] += 1
+    return w.clone(memory_format=torch.contiguous_format) if w.stride(0) == 1 else w.contiguous()
+
+
+def check_args(x, weight, eps) -> int:
+    """Host-side checks (ValueError/TypeError naming the argument); returns the width H."""
+    checks.check_tensor("x", x, dtype=X_DTYPES)
+    if x.dim() < 1:
+        raise ValueError(f"x must have at least 1 dimension [..., hidden_size], got shape {tuple(x.shape)}")
+    checks.check_tensor("weight", weight, dtype=W_DTYPES, ndim=1)
+    H = x.shape[-1]
+    if weight.shape[0] != H:
+        raise ValueError(f"weight has {weight.shape[0]} elements but x's last dimension is {H}")
+    checks.check_same_device([("x", x), ("weight", weight)])
+    if isinstance(eps, bool) or not isinstance(eps, (float, int)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    _decl.check_supported(H)
+    return H
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# launchers
+def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *, cfg=None) -> torch.Tensor:
+    """y (x's dtype and shape, contiguous). `cfg` overrides the table (benchmarks only)."""
+    H = check_args(x, weight, eps)
+    build.check_device(x, "x")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2 = _rows(x, H, "x")
+    T = x2.shape[0]
+    if T == 0:
+        return y
+    w = _weight(weight)
+    bm, bn, nw, ns = cfg or fwd_config(H, window_of(T))
+    y2 = y.view(T, H)
+    kernels._rmsnorm_fwd_kernel[(triton.cdiv(T, bm),)](
+        x2, w, y2, T, x2.stride(0), y2.stride(0), float(eps),
+        H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+    return y
+
+
+def rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, deterministic: bool, *,
+                cfg=None, programs=None):
+    """(dx in x's dtype and shape, dw in weight's dtype). `cfg` / `programs` override the table (benchmarks)."""
+    H = check_args(x, weight, eps)
+    checks.check_tensor("dy", dy, dtype=X_DTYPES)
+    if dy.shape != x.shape:
+        raise ValueError(f"dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}")
+    build.check_device(x, "x")
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2 = _rows(x, H, "x")
+    T = x2.shape[0]
+    if T == 0:
+        return dx, torch.zeros_like(weight, memory_format=torch.contiguous_format)
+    dy2 = _rows(dy, H, "dy")
+    w = _weight(weight)
+    dx2 = dx.view(T, H)
+    bm, bn, nw, ns = cfg or bwd_config(H, window_of(T))
+    P = programs or BWD_PROGRAMS[_arch(x.device)]
+    rows_per_prog = triton.cdiv(triton.cdiv(T, P), bm) * bm
+    grid = triton.cdiv(T, rows_per_prog)
+    dw = torch.empty(H, dtype=weight.dtype, device=x.device)
+    if deterministic:
+        part = workspace.take((OP, "dw_partial"), grid * H * 4, device=x.device).view(torch.float32).view(grid, H)
+        target = part
+    elif weight.dtype == torch.float32:
+        target = dw.zero_()
+    else:
+        target = workspace.take((OP, "dw_accum"), H * 4, device=x.device).view(torch.float32).zero_()
+    kernels._rmsnorm_bwd_kernel[(grid,)](
+        x2, w, dy2, dx2, target, T, x2.stride(0), dy2.stride(0), dx2.stride(0), rows_per_prog, float(eps),
+        H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=not deterministic, num_warps=nw, num_stages=ns)
+    if deterministic:
+        _reduce.reduce_columns(part, dw)
+    elif weight.dtype != torch.float32:
+        _reduce.reduce_columns(target.view(1, H), dw)
+    return dx, dw
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# custom ops (torch.compile traces these; fake kernels give shapes)
+@torch.library.custom_op("miles_ext_kernels::cake_rmsnorm_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float, deterministic: bool) -> torch.Tensor:
+    return rmsnorm_fwd(x, weight, eps)
+
+
+@_fwd_op.register_fake
+def _fwd_fake(x, weight, eps, deterministic):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("miles_ext_kernels::cake_rmsnorm_bwd", mutates_args=())
+def _bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return rmsnorm_bwd(dy, x, weight, eps, deterministic)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(dy, x, weight, eps, deterministic):
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(weight.shape, dtype=weight.dtype, device=weight.device))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, eps, deterministic = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+    ctx.deterministic = deterministic
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw = _bwd_op(dy, x, weight, ctx.eps, ctx.deterministic)
+    return dx, dw, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def zero_centered_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """y = x * rsqrt(mean(x^2) + eps) * (1 + weight); see `cake.rmsnorm.zero_centered_rmsnorm`."""
+    check_args(x, weight, eps)
+    deterministic = config.variant(OP) == "det"
+    return _fwd_op(x, weight, float(eps), deterministic)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """Zero-centred RMSNorm module; see `cake.rmsnorm.ZeroCenteredRMSNorm`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None, sequence_parallel=None):
+        super().__init__()
+        checks.check_host_int("hidden_size", hidden_size, minimum=1)
+        _decl.check_supported(hidden_size)
+        if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps > 0:
+            raise ValueError(f"eps must be a float > 0, got {eps!r}")
+        if dtype is not None and dtype not in W_DTYPES:
+            raise TypeError(f"dtype must be float32 or bfloat16, got {dtype}")
+        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel must be a bool or None, got {type(sequence_parallel).__name__}")
+        self.hidden_size = hidden_size
+        self.eps = float(eps)
+        self.sequence_parallel = sequence_parallel
+        self.weight = torch.nn.Parameter(
+            torch.empty(hidden_size, device=_default_device(device), dtype=dtype or torch.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Zero the weight (1 + w = 1) and (re)mark it for sequence parallelism when asked to."""
+        with torch.no_grad():
+            self.weight.zero_()
+        if self.sequence_parallel is not None:
+            setattr(self.weight, "sequence_parallel", self.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return zero_centered_rmsnorm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+def _default_device(device):
+    """`device` if given; else where torch's factories allocate when that is not the CPU (a `torch.device(...)`
+    context, `torch.set_default_device`); else the current CUDA device (the CPU when no GPU is visible)."""
+    if device is not None:
+        return torch.device(device)
+    default = torch.get_default_device()
+    if default.type != "cpu":
+        return default
+    if torch.cuda.is_available() and not build.INTERPRET:
+        return torch.device("cuda", torch.cuda.current_device())
+    return default
+
+
+# ------------------------------------------------------------------------------------------------------------------
+def routes(*, hidden_size: int):
+    """Every kernel specialization a call of width `hidden_size` can launch: both variants, both weight dtypes,
+    every token-count window."""
+    _decl.check_supported(hidden_size)
+    H = hidden_size
+    out, seen = [], set()
+
+    def add(kernel, args, cx, label):
+        key = (kernel.__name__ if hasattr(kernel, "__name__") else id(kernel), args, tuple(sorted(cx.items())))
+        if key in seen:
+            return
+        seen.add(key)
+        out.append(build.Route(kernel, args, (1,), cx, label))
+
+    bf = torch.bfloat16
+    for wdt in W_DTYPES:
+        wn = str(wdt).replace("torch.", "")
+        for window in WINDOWS:
+            bm, bn, nw, ns = fwd_config(H, window)
+            add(kernels._rmsnorm_fwd_kernel, (bf, wdt, bf, 4096, H, H, 1e-6),
+                dict(H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns), f"rmsnorm.fwd[H={H},w={wn},{window}]")
+            for variant in ("det", "fast"):
+                bm, bn, nw, ns = bwd_config(H, window)
+                add(kernels._rmsnorm_bwd_kernel, (bf, wdt, bf, bf, torch.float32, 4096, H, H, H, 16, 1e-6),
+                    dict(H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=variant == "fast", num_warps=nw, num_stages=ns),
+                    f"rmsnorm.bwd[H={H},w={wn},{variant},{window}]")
+    out += _reduce.routes("rmsnorm.")
+    return out
