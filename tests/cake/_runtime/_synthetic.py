@@ -22,7 +22,7 @@ def axpb(x: torch.Tensor, alpha: float) -> torch.Tensor:
     build.check_device(x, "x")
     block = BLOCKS[config.variant("synthetic")]
     y = torch.empty_like(x)
-    _axpb_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), alpha, BLOCK=block)
+    _axpb_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), alpha, BLOCK=block, num_warps=4, num_stages=1)
     return y
 
 
