@@ -22,6 +22,7 @@ OP = OpSpec(
     entry_points=("ZeroCenteredRMSNorm", "zero_centered_rmsnorm"),
     prebuild_params=("hidden_size",),
     archs=("sm_90a",),
+    bench="norms",
 )
 
 # Every multiple of 64 from 64 to 16384 (a row is one register tile of the next power of two).
@@ -53,9 +54,32 @@ def zero_centered_rmsnorm(x, weight, eps: float = 1e-6):
     return OP.impl().zero_centered_rmsnorm(x, weight, eps)
 
 
-def __getattr__(name):
-    # ZeroCenteredRMSNorm(hidden_size, eps=1e-6, *, device=None, dtype=None, sequence_parallel=None) is an
-    # nn.Module, so it lives with the implementation; it is resolved here on first access.
-    if name == "ZeroCenteredRMSNorm":
-        return OP.impl().ZeroCenteredRMSNorm
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class _ImplClass(type):
+    """Metaclass of the torch-free stand-in below: constructing it (or an isinstance check) loads the real class."""
+
+    def __call__(cls, *args, **kwargs):
+        return OP.impl().ZeroCenteredRMSNorm(*args, **kwargs)
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, OP.impl().ZeroCenteredRMSNorm)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, OP.impl().ZeroCenteredRMSNorm)
+
+
+class ZeroCenteredRMSNorm(metaclass=_ImplClass):
+    """`torch.nn.Module`: y = x * rsqrt(mean(x^2, -1) + eps) * (1 + weight) over the last dim of x.
+
+    ZeroCenteredRMSNorm(hidden_size, eps=1e-6, *, device=None, dtype=None, sequence_parallel=None)
+
+    - hidden_size must be served (`check_supported`), else ValueError on any device.
+    - weight: `[hidden_size]`, dtype fp32 (default) or bf16, zero-initialised (so 1 + w = 1). It is allocated on
+      `device` when given; else where torch's factories allocate when that is not the CPU (`with
+      torch.device("meta")`, `torch.set_default_device`); else on the current CUDA device. `device="meta"`
+      touches no GPU, and construction compiles nothing.
+    - `reset_parameters()` zeroes the weight (also after `to_empty()`).
+    - `sequence_parallel=True/False` sets that attribute on the weight, as Transformer Engine's norms do, so
+      Megatron all-reduces its gradient under sequence parallelism (re-applied by `reset_parameters`); None leaves
+      whatever mark the caller set.
+    - forward(x): `zero_centered_rmsnorm(x, self.weight, self.eps)`.
+    """

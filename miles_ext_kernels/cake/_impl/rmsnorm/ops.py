@@ -281,7 +281,7 @@ def routes(*, hidden_size: int):
     out, seen = [], set()
 
     def add(kernel, args, cx, label):
-        key = (kernel.__name__ if hasattr(kernel, "__name__") else id(kernel), args, tuple(sorted(cx.items())))
+        key = (id(kernel), args, tuple(sorted(cx.items())))
         if key in seen:
             return
         seen.add(key)
@@ -293,11 +293,11 @@ def routes(*, hidden_size: int):
         for window in WINDOWS:
             bm, bn, nw, ns = fwd_config(H, window)
             add(kernels._rmsnorm_fwd_kernel, (bf, wdt, bf, 4096, H, H, 1e-6),
-                dict(H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns), f"rmsnorm.fwd[H={H},w={wn},{window}]")
+                dict(H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns), f"rmsnorm.fwd[H={H},w={wn},{'+'.join(v for v in WINDOWS if fwd_config(H, v) == fwd_config(H, window))}]")
             for variant in ("det", "fast"):
                 bm, bn, nw, ns = bwd_config(H, window)
                 add(kernels._rmsnorm_bwd_kernel, (bf, wdt, bf, bf, torch.float32, 4096, H, H, H, 16, 1e-6),
                     dict(H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=variant == "fast", num_warps=nw, num_stages=ns),
-                    f"rmsnorm.bwd[H={H},w={wn},{variant},{window}]")
+                    f"rmsnorm.bwd[H={H},w={wn},{variant},{'+'.join(v for v in WINDOWS if bwd_config(H, v) == bwd_config(H, window))}]")
     out += _reduce.routes("rmsnorm.")
     return out

@@ -1,0 +1,169 @@
+"""gated_rmsnorm through Triton's interpreter on CPU tensors: accuracy vs FP64, layouts, variants, checks."""
+import pytest
+import torch
+
+import miles_ext_kernels as mek
+from miles_ext_kernels.cake import gated_rmsnorm as decl
+from miles_ext_kernels.cake._impl.gated_rmsnorm import _demo as demo_mod
+from miles_ext_kernels.cake._impl.gated_rmsnorm import ops
+from miles_ext_kernels.cake._impl.gated_rmsnorm.reference import grads_ref
+from miles_ext_kernels.cake._runtime.testing import check_budget
+
+pytestmark = pytest.mark.interpreter
+BF, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    mek.configure()
+    yield
+    mek.configure()
+
+
+def _inputs(shape, wdtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    D = shape[-1]
+    x = torch.randn(shape, generator=g).to(BF)
+    z = torch.randn(shape, generator=g).to(BF)
+    w = (1 + 0.2 * torch.randn(D, generator=g)).to(wdtype)
+    dy = torch.randn(shape, generator=g).to(BF)
+    return x, z, w, dy
+
+
+def _run(x, z, w, dy, eps=1e-6):
+    xr = x.detach().requires_grad_(True)
+    zr = z.detach().requires_grad_(True)
+    wr = w.detach().clone().requires_grad_(True)
+    y = decl.rmsnorm_silu_gate(xr, zr, wr, eps)
+    y.backward(dy)
+    return y.detach(), xr.grad, zr.grad, wr.grad
+
+
+def _check(x, z, w, dy, got, eps=1e-6):
+    ref = grads_ref(x, z, w, dy, eps)
+    b = demo_mod.budgets("cpu", w.dtype)
+    for name, g, r in zip(("y", "dx", "dz", "dw"), got, ref):
+        check_budget(name, g, r, b[name])
+    assert got[0].dtype == BF and got[3].dtype == w.dtype and got[0].shape == x.shape
+
+
+@pytest.mark.parametrize("variant", ["det", "fast"])
+@pytest.mark.parametrize("shape,wdtype", [((7, 4, 128), F32), ((13, 64), BF), ((3, 2, 256), F32), ((1, 1, 64), BF)])
+def test_accuracy(variant, shape, wdtype):
+    mek.configure(gated_rmsnorm_variant=variant)
+    x, z, w, dy = _inputs(shape, wdtype)
+    _check(x, z, w, dy, _run(x.clone(), z.clone(), w, dy))
+
+
+def test_large_window_and_odd_rows():
+    N = ops.SMALL_N + 1
+    assert ops.window_of(N) == "large"
+    x, z, w, dy = _inputs((N, 64), F32, seed=1)
+    _check(x, z, w, dy, _run(x.clone(), z.clone(), w, dy))
+
+
+def test_z_column_slice_read_in_place():
+    # z is the z-block of a fused [q | k | v | z | b | a] projection: token stride = projection width
+    T, NH, D = 9, 4, 128
+    g = torch.Generator().manual_seed(2)
+    width = 3 * NH * D + NH * D + 2 * NH
+    proj = torch.randn(T, width, generator=g).to(BF)
+    z = proj[:, 3 * NH * D:4 * NH * D].view(T, NH, D)
+    assert not z.is_contiguous() and z.stride(0) == width
+    x, _, w, dy = _inputs((T, NH, D), F32, seed=3)
+    before = dict(ops.COPIES)
+    got = _run(x, z, w, dy)
+    assert dict(ops.COPIES) == before  # z was read in place, in the forward and in the backward
+    _check(x, z, w, dy, got)
+    assert got[2].shape == z.shape and got[2].is_contiguous()
+    # a token stride that is not a multiple of 8 elements: copied
+    proj2 = torch.randn(T, NH * D + 4, generator=g).to(BF)
+    z2 = proj2[:, :NH * D].view(T, NH, D)
+    got = _run(x, z2, w, dy)
+    assert ops.COPIES["z"] == before.get("z", 0) + 2  # once in the forward, once in the backward
+    _check(x, z2, w, dy, got)
+
+
+def test_head_strided_x_read_in_place():
+    # x as [T, NH, D] with a head stride that is not D (heads interleaved with other data)
+    T, NH, D = 5, 3, 64
+    base = torch.randn(T, NH, 2 * D).to(BF)
+    x = base[:, :, :D]
+    _, z, w, dy = _inputs((T, NH, D), BF, seed=4)
+    before = dict(ops.COPIES)
+    got = _run(x, z, w, dy)
+    assert dict(ops.COPIES) == before
+    _check(x, z, w, dy, got)
+
+
+def test_zero_rows():
+    x, z, w, dy = _inputs((0, 4, 128), F32)
+    y, dx, dz, dw = _run(x, z, w, dy)
+    assert y.shape == (0, 4, 128) and dz.shape == (0, 4, 128) and torch.equal(dw, torch.zeros(128))
+
+
+@pytest.mark.parametrize("variant", ["det", "fast"])
+def test_bits_repeat(variant):
+    mek.configure(gated_rmsnorm_variant=variant)
+    x, z, w, dy = _inputs((40, 3, 64), BF, seed=5)
+    a, b = _run(x, z, w, dy), _run(x, z, w, dy)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+
+
+def test_backward_runs_forward_variant(monkeypatch):
+    seen = []
+    real = ops.gated_bwd
+
+    def spy(dy, x, z, weight, eps, deterministic, **kw):
+        seen.append(deterministic)
+        return real(dy, x, z, weight, eps, deterministic, **kw)
+
+    monkeypatch.setattr(ops, "gated_bwd", spy)
+    x, z, w, dy = _inputs((4, 2, 64), F32)
+    xr, zr, wr = (t.clone().requires_grad_(True) for t in (x, z, w))
+    mek.configure(gated_rmsnorm_variant="fast")
+    y = decl.rmsnorm_silu_gate(xr, zr, wr)
+    mek.configure(gated_rmsnorm_variant="det")
+    y.backward(dy)
+    mek.configure(gated_rmsnorm_variant="fast")
+    torch.use_deterministic_algorithms(True)
+    try:
+        decl.rmsnorm_silu_gate(xr, zr, wr).backward(dy)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert seen == [False, True]
+
+
+def test_bad_inputs_raise_before_launch():
+    x, z, w, _ = _inputs((4, 2, 128), F32)
+    with pytest.raises(TypeError, match="x must be bfloat16"):
+        decl.rmsnorm_silu_gate(x.float(), z, w)
+    with pytest.raises(TypeError, match="z must be bfloat16"):
+        decl.rmsnorm_silu_gate(x, z.half(), w)
+    with pytest.raises(ValueError, match="z has shape"):
+        decl.rmsnorm_silu_gate(x, z[:2], w)
+    with pytest.raises(ValueError, match="weight has 64"):
+        decl.rmsnorm_silu_gate(x, z, w[:64])
+    with pytest.raises(ValueError, match="head_dim 96"):
+        decl.rmsnorm_silu_gate(x[..., :96], z[..., :96], w[:96])
+    with pytest.raises(ValueError, match="x must be"):
+        decl.rmsnorm_silu_gate(x[0, 0], z[0, 0], w)
+    with pytest.raises(ValueError, match="eps"):
+        decl.rmsnorm_silu_gate(x, z, w, 0.0)
+
+
+def test_compile_fullgraph_traces():
+    x, z, w, dy = _inputs((6, 2, 64), F32, seed=6)
+    fn = torch.compile(decl.rmsnorm_silu_gate, fullgraph=True, backend="aot_eager")
+    xr, zr, wr = (t.clone().requires_grad_(True) for t in (x, z, w))
+    y = fn(xr, zr, wr, 1e-6)
+    y.backward(dy)
+    _check(x, z, w, dy, (y.detach(), xr.grad, zr.grad, wr.grad))
+
+
+def test_demo_and_routes():
+    rows = decl.OP.impl().demo("cpu")
+    assert rows and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    labels = [r.label for r in decl.OP.impl().routes(head_dim=128)]
+    assert len(labels) == len(set(labels)) and any("fast" in s for s in labels)

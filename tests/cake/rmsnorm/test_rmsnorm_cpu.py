@@ -1,0 +1,185 @@
+"""rmsnorm through Triton's interpreter on CPU tensors: accuracy vs FP64, layouts, variants, checks, module."""
+import pytest
+import torch
+
+import miles_ext_kernels as mek
+from miles_ext_kernels.cake import rmsnorm as decl
+from miles_ext_kernels.cake._impl.rmsnorm import _demo as demo_mod
+from miles_ext_kernels.cake._impl.rmsnorm import ops
+from miles_ext_kernels.cake._impl.rmsnorm.reference import grads_ref, zero_centered_rmsnorm_ref
+from miles_ext_kernels.cake._runtime.testing import check_budget
+
+pytestmark = pytest.mark.interpreter
+BF, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    mek.configure()
+    yield
+    mek.configure()
+
+
+def _inputs(shape, wdtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    H = shape[-1]
+    x = torch.randn(shape, generator=g).to(BF)
+    w = (0.2 * torch.randn(H, generator=g)).to(wdtype)
+    dy = torch.randn(shape, generator=g).to(BF)
+    return x, w, dy
+
+
+def _run(x, w, dy, eps=1e-6):
+    xr = x.detach().clone().requires_grad_(True) if x.is_contiguous() else x.detach().requires_grad_(True)
+    wr = w.detach().clone().requires_grad_(True)
+    y = decl.zero_centered_rmsnorm(xr, wr, eps)
+    y.backward(dy)
+    return y.detach(), xr.grad, wr.grad
+
+
+def _check(x, w, dy, got, eps=1e-6):
+    y, dx, dw = got
+    ry, rdx, rdw = grads_ref(x, w, dy, eps)
+    b = demo_mod.budgets("cpu", w.dtype)
+    check_budget("y", y, ry, b["y"])
+    check_budget("dx", dx, rdx, b["dx"])
+    check_budget("dw", dw, rdw, b["dw"])
+    assert y.dtype == BF and dx.dtype == BF and dw.dtype == w.dtype
+
+
+@pytest.mark.parametrize("variant", ["det", "fast"])
+@pytest.mark.parametrize("shape,wdtype", [((37, 256), F32), ((3, 5, 320), BF), ((1, 2048), F32), ((7, 64), BF)])
+def test_accuracy(variant, shape, wdtype):
+    mek.configure(rmsnorm_variant=variant)
+    x, w, dy = _inputs(shape, wdtype)
+    _check(x, w, dy, _run(x, w, dy))
+
+
+def test_large_window_and_odd_tokens():
+    # T > SMALL_T selects the "large" configs; 1025 rows do not fill the last row block
+    T = ops.SMALL_T + 1
+    assert ops.window_of(T) == "large"
+    x, w, dy = _inputs((T, 64), F32, seed=1)
+    _check(x, w, dy, _run(x, w, dy))
+
+
+def test_strided_rows_read_in_place():
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(9, 3 * 128 + 16, generator=g).to(BF)
+    x = wide[:, 8:8 + 128]  # row stride 400 (a multiple of 8), 16-byte aligned start
+    _, w, dy = _inputs((9, 128), F32, seed=3)
+    before = dict(ops.COPIES)
+    got = _run(x, w, dy)
+    assert dict(ops.COPIES) == before  # no copy
+    _check(x, w, dy, got)
+    x_odd = wide[:, 3:3 + 128]  # misaligned start: copied first
+    got = _run(x_odd, w, dy)
+    assert ops.COPIES["x"] == before.get("x", 0) + 2  # copied once in the forward, once in the backward
+    _check(x_odd, w, dy, got)
+
+
+def test_zero_tokens():
+    x, w, dy = _inputs((0, 128), F32)
+    y, dx, dw = _run(x, w, dy)
+    assert y.shape == (0, 128) and dx.shape == (0, 128)
+    assert torch.equal(dw, torch.zeros(128))
+
+
+@pytest.mark.parametrize("variant", ["det", "fast"])
+def test_bits_repeat(variant):
+    mek.configure(rmsnorm_variant=variant)
+    x, w, dy = _inputs((50, 192), BF, seed=4)
+    a, b = _run(x, w, dy), _run(x, w, dy)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+
+
+def test_backward_runs_forward_variant(monkeypatch):
+    seen = []
+    real = ops.rmsnorm_bwd
+
+    def spy(dy, x, weight, eps, deterministic, **kw):
+        seen.append(deterministic)
+        return real(dy, x, weight, eps, deterministic, **kw)
+
+    monkeypatch.setattr(ops, "rmsnorm_bwd", spy)
+    x, w, dy = _inputs((4, 64), F32)
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    mek.configure(rmsnorm_variant="fast")
+    y = decl.zero_centered_rmsnorm(xr, wr)
+    mek.configure(rmsnorm_variant="det")
+    y.backward(dy)
+    y = decl.zero_centered_rmsnorm(xr, wr)
+    mek.configure(rmsnorm_variant="fast")
+    y.backward(dy)
+    assert seen == [False, True]
+    # torch.use_deterministic_algorithms(True) turns fast into det
+    mek.configure(rmsnorm_variant="fast")
+    torch.use_deterministic_algorithms(True)
+    try:
+        decl.zero_centered_rmsnorm(xr, wr).backward(dy)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert seen[-1] is True
+
+
+def test_bad_inputs_raise_before_launch():
+    x, w, _ = _inputs((4, 128), F32)
+    with pytest.raises(TypeError, match="x must be bfloat16"):
+        decl.zero_centered_rmsnorm(x.float(), w)
+    with pytest.raises(TypeError, match="weight"):
+        decl.zero_centered_rmsnorm(x, w.half())
+    with pytest.raises(ValueError, match="weight has 64"):
+        decl.zero_centered_rmsnorm(x, w[:64])
+    with pytest.raises(ValueError, match="hidden_size 100"):
+        decl.zero_centered_rmsnorm(torch.randn(2, 100).to(BF), torch.zeros(100))
+    with pytest.raises(ValueError, match="eps"):
+        decl.zero_centered_rmsnorm(x, w, -1.0)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        decl.zero_centered_rmsnorm(x.numpy() if False else [1.0], w)
+
+
+def test_compile_fullgraph_traces():
+    x, w, dy = _inputs((6, 128), F32, seed=5)
+    fn = torch.compile(decl.zero_centered_rmsnorm, fullgraph=True, backend="aot_eager")
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = fn(xr, wr, 1e-6)
+    y.backward(dy)
+    _check(x, w, dy, (y.detach(), xr.grad, wr.grad))
+
+
+def test_module():
+    m = decl.ZeroCenteredRMSNorm(256, eps=1e-5, sequence_parallel=True)
+    assert isinstance(m, torch.nn.Module) and isinstance(m, decl.ZeroCenteredRMSNorm)
+    assert m.weight.dtype == F32 and m.weight.shape == (256,) and torch.equal(m.weight, torch.zeros(256))
+    assert m.weight.sequence_parallel is True
+    x, _, dy = _inputs((5, 256), F32)
+    y = m(x)
+    torch.testing.assert_close(y.float(), zero_centered_rmsnorm_ref(x, m.weight.detach(), 1e-5).float(),
+                               rtol=1e-2, atol=1e-2)
+    y.backward(dy)
+    assert m.weight.grad is not None and m.weight.grad.dtype == F32
+    # meta: no storage; to_empty + reset_parameters re-zeroes and re-marks
+    with torch.device("meta"):
+        mm = decl.ZeroCenteredRMSNorm(2048, dtype=BF, sequence_parallel=False)
+    assert mm.weight.is_meta and mm.weight.dtype == BF
+    mm.to_empty(device="cpu")
+    mm.reset_parameters()
+    assert torch.equal(mm.weight, torch.zeros(2048, dtype=BF)) and mm.weight.sequence_parallel is False
+    assert decl.ZeroCenteredRMSNorm(128, device="meta").weight.is_meta
+    # None leaves the caller's mark alone
+    m3 = decl.ZeroCenteredRMSNorm(128)
+    m3.weight.sequence_parallel = True
+    m3.reset_parameters()
+    assert m3.weight.sequence_parallel is True
+    with pytest.raises(ValueError, match="hidden_size"):
+        decl.ZeroCenteredRMSNorm(100)
+
+
+def test_demo_and_routes():
+    rows = decl.OP.impl().demo("cpu")
+    assert rows and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    labels = [r.label for r in decl.OP.impl().routes(hidden_size=2048)]
+    assert len(labels) == len(set(labels)) and any("fast" in s for s in labels)
+    with pytest.raises(ValueError):
+        decl.OP.impl().routes(hidden_size=100)
