@@ -1,0 +1,237 @@
+"""conv1d: checks, launchers, autograd and torch.library registration.
+
+Layers: kernels (kernels.py) -> launchers `_fwd` / `_bwd` (allocate, pick the config, build the grid; no autograd)
+-> custom ops `miles_ext_kernels::cake_conv1d_fwd` / `cake_conv1d_bwd` (+ fake kernels, so torch.compile traces
+them) with `register_autograd` -> the public `causal_conv1d`.
+The variant and the silu-grad option are read when the forward runs (setup_context) and saved for the backward.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from ..._runtime import build, checks, config, workspace
+from . import kernels
+
+OP = "conv1d"
+
+# Fixed configs per arch (no autotuning: the same config, hence the same bits, in every process).
+# fwd / bwd: BLOCK_D channels x CHUNK tokens per program; red: the det dw reduction.
+_CONFIGS = {
+    "sm_90a": {
+        "fwd": dict(BLOCK_D=256, CHUNK=128, num_warps=1, num_stages=1),
+        "bwd": dict(BLOCK_D=256, CHUNK=128, num_warps=1, num_stages=1),
+        "red": dict(BLOCK_P=16, BLOCK_D=256, num_warps=4, num_stages=1),
+    },
+    # CPU tests through the interpreter: small blocks, so tiny shapes still span several programs
+    "interpreter": {
+        "fwd": dict(BLOCK_D=32, CHUNK=8, num_warps=1, num_stages=1),
+        "bwd": dict(BLOCK_D=32, CHUNK=8, num_warps=1, num_stages=1),
+        "red": dict(BLOCK_P=4, BLOCK_D=32, num_warps=1, num_stages=1),
+    },
+}
+
+_WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_ACT_NAMES = {None: 0, "silu": 1, "swish": 1}
+_arch_by_index: dict = {}
+
+
+def _arch(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "interpreter"
+    arch = _arch_by_index.get(device.index)
+    if arch is None:
+        arch = _arch_by_index[device.index] = build.device_arch(device)
+    return arch
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` if it starts 16-byte aligned (the compiled specializations assume it), else an aligned copy."""
+    if t.numel() and t.data_ptr() % 16:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _prep_cu(cu: Optional[torch.Tensor]):
+    if cu is None:
+        return None, 0, 0
+    cu = cu.to(torch.int32)
+    if cu.stride(0) != 1:
+        cu = cu.contiguous()
+    cu = _aligned(cu)
+    n_seq = cu.numel() - 1
+    return cu, n_seq, max(1, n_seq.bit_length())
+
+
+def _align(D: int, *strides: int) -> int:
+    return 8 if D % 8 == 0 and all(s % 8 == 0 for s in strides) else 1
+
+
+def _fwd_meta(W: int, act: int, has_cu: bool, align: int, cfg: dict) -> dict:
+    return dict(W=W, ACT=act, HAS_CU=has_cu, ALIGN=align, **cfg)
+
+
+def _bwd_meta(W: int, act_mode: int, has_cu: bool, align: int, atomic: bool, cfg: dict) -> dict:
+    return dict(W=W, ACT=act_mode, HAS_CU=has_cu, ALIGN=align, DW_ATOMIC=atomic, **cfg)
+
+
+def _red_meta(W: int, cfg: dict) -> dict:
+    return dict(W=W, **cfg)
+
+
+# ---------------------------------------------------------------------------------------------------- launchers
+def _fwd(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act: int) -> torch.Tensor:
+    T, D = x.shape
+    W = weight.shape[1]
+    y = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    if T == 0 or D == 0:
+        return y
+    x = _aligned(x)
+    w = _aligned(weight.contiguous())
+    cu, n_seq, n_iter = _prep_cu(cu_seqlens)
+    cfg = _CONFIGS[_arch(x.device)]["fwd"]
+    sx = x.stride(0) if T > 1 else D
+    align = _align(D, sx)
+    grid = (triton.cdiv(T, cfg["CHUNK"]), triton.cdiv(D, cfg["BLOCK_D"]))
+    kernels.conv1d_fwd_kernel[grid](x, w, y, cu, T, D // align, sx // align, D // align, n_seq, n_iter,
+                                    **_fwd_meta(W, act, cu is not None, align, cfg))
+    return y
+
+
+def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+         act_mode: int, det: bool):
+    T, D = x.shape
+    W = weight.shape[1]
+    dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    if T == 0 or D == 0:
+        return dx, torch.zeros_like(weight, memory_format=torch.contiguous_format)
+    if dy.dtype != x.dtype:
+        dy = dy.to(x.dtype)
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dy = _aligned(dy)
+    x = _aligned(x)
+    w = _aligned(weight.contiguous())
+    cu, n_seq, n_iter = _prep_cu(cu_seqlens)
+    cfgs = _CONFIGS[_arch(x.device)]
+    cfg = cfgs["bwd"]
+    sx = x.stride(0) if T > 1 else D
+    sdy = dy.stride(0) if T > 1 else D
+    align = _align(D, sx, sdy)
+    n_blocks = triton.cdiv(T, cfg["CHUNK"])
+    grid = (n_blocks, triton.cdiv(D, cfg["BLOCK_D"]))
+    Dp = triton.cdiv(D, 8) * 8
+    if det:
+        target = workspace.take((OP, "dw_partial"), n_blocks * W * Dp * 4, device=x.device).view(torch.float32)
+    elif weight.dtype == torch.float32:
+        target = torch.zeros((D, W), dtype=torch.float32, device=x.device)
+    else:
+        target = workspace.take((OP, "dw_acc"), D * W * 4, device=x.device).view(torch.float32).zero_()
+    kernels.conv1d_bwd_kernel[grid](x, w, dy, dx, target, cu, T, D // align, sx // align, sdy // align,
+                                    D // align, Dp // 8, n_seq, n_iter,
+                                    **_bwd_meta(W, act_mode, cu is not None, align, not det, cfg))
+    if det:
+        dw = torch.empty((D, W), dtype=weight.dtype, device=x.device)
+        red = cfgs["red"]
+        kernels.dw_reduce_kernel[(triton.cdiv(D, red["BLOCK_D"]), W)](target, dw, n_blocks, D, Dp // 8,
+                                                                      **_red_meta(W, red))
+    elif weight.dtype == torch.float32:
+        dw = target
+    else:
+        dw = target.view(D, W).to(weight.dtype)
+    return dx, dw
+
+
+# ---------------------------------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("miles_ext_kernels::cake_conv1d_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act: int) -> torch.Tensor:
+    return _fwd(x, weight, cu_seqlens, act)
+
+
+@_fwd_op.register_fake
+def _(x, weight, cu_seqlens, act):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("miles_ext_kernels::cake_conv1d_bwd", mutates_args=())
+def _bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+            act_mode: int, det: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _bwd(dy, x, weight, cu_seqlens, act_mode, det)
+
+
+@_bwd_op.register_fake
+def _(dy, x, weight, cu_seqlens, act_mode, det):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, cu_seqlens, act = inputs
+    ctx.save_for_backward(x, weight, cu_seqlens)
+    # read when the forward runs; the backward runs what its forward read
+    ctx.det = config.variant(OP) == "det"
+    if act:
+        ctx.act_mode = 2 if config.option(OP, "silu_grad_preactivation") == "fp32" else 1
+    else:
+        ctx.act_mode = 0
+
+
+def _backward(ctx, dy):
+    x, weight, cu_seqlens = ctx.saved_tensors
+    dx, dw = _bwd_op(dy, x, weight, cu_seqlens, ctx.act_mode, ctx.det)
+    return dx, dw, None, None
+
+
+torch.library.register_autograd("miles_ext_kernels::cake_conv1d_fwd", _backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------- public
+def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
+    """See `miles_ext_kernels.cake.conv1d.causal_conv1d`."""
+    checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, last_stride_one=True)
+    checks.check_tensor("weight", weight, dtype=(torch.float32, torch.bfloat16), ndim=2, device=x.device)
+    if weight.shape[0] != x.shape[1]:
+        raise ValueError(f"weight must be [D, W] with D = x.shape[1] = {x.shape[1]}, got {tuple(weight.shape)}")
+    if weight.shape[1] not in (2, 3, 4):
+        raise ValueError(f"weight width W must be 2, 3 or 4, got {weight.shape[1]}")
+    if cu_seqlens is not None:
+        checks.check_tensor("cu_seqlens", cu_seqlens, dtype=(torch.int32, torch.int64), ndim=1, device=x.device)
+        if cu_seqlens.shape[0] < 1:
+            raise ValueError("cu_seqlens must hold at least one entry (cu_seqlens[0] == 0)")
+    if not (activation is None or isinstance(activation, str)) or activation not in _ACT_NAMES:
+        raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
+    build.check_device(x, "x")
+    return _fwd_op(x, weight, cu_seqlens, _ACT_NAMES[activation])
+
+
+# ---------------------------------------------------------------------------------------------------- routes
+def routes(*, weight_dtype: str):
+    """Every kernel specialization a call can launch on sm_90a for `weight_dtype` ("float32" / "bfloat16"):
+    both variants (det: partials + fixed-order reduction; fast: atomics), both silu-grad options, W in 2..4,
+    with/without cu_seqlens, aligned (D and row strides multiples of 8) or not."""
+    if weight_dtype not in _WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {tuple(_WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    wdt = _WEIGHT_DTYPES[weight_dtype]
+    cfgs = _CONFIGS["sm_90a"]
+    bf = torch.bfloat16
+    out = []
+    for W in (2, 3, 4):
+        for has_cu in (False, True):
+            cu = torch.int32 if has_cu else None
+            for align in (1, 8):
+                for act in (0, 1):
+                    out.append(build.Route(
+                        kernels.conv1d_fwd_kernel, (bf, wdt, bf, cu, 4096, 64, 64, 64, 8, 4), (1, 1),
+                        _fwd_meta(W, act, has_cu, align, cfgs["fwd"]),
+                        f"fwd[W={W},act={act},cu={int(has_cu)},align={align}]"))
+                for act_mode in (0, 1, 2):
+                    for atomic in (False, True):
+                        out.append(build.Route(
+                            kernels.conv1d_bwd_kernel,
+                            (bf, wdt, bf, bf, torch.float32, cu, 4096, 64, 64, 64, 64, 64, 8, 4), (1, 1),
+                            _bwd_meta(W, act_mode, has_cu, align, atomic, cfgs["bwd"]),
+                            f"bwd[W={W},act={act_mode},cu={int(has_cu)},align={align},dw={'atomic' if atomic else 'det'}]"))
+        out.append(build.Route(kernels.dw_reduce_kernel, (torch.float32, wdt, 64, 512, 64), (1, 1),
+                               _red_meta(W, cfgs["red"]), f"dw_reduce[W={W}]"))
+    return out

@@ -1,0 +1,113 @@
+"""conv1d declaration, check_supported and command-line flags: torch-free."""
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+import miles_ext_kernels as mek
+from miles_ext_kernels import cake
+from miles_ext_kernels.cake import conv1d
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    yield
+    mek.configure()
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    mek.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    mek.validate_args(args)
+    return args
+
+
+def test_declaration():
+    op = conv1d.OP
+    assert op.name == "conv1d" and cake.op_spec("conv1d") is op
+    assert op.variants == ("det", "fast")
+    assert op.selected_by == (("linear_attention_conv_backend", "cake"),)
+    assert op.entry_points == ("causal_conv1d",)
+    assert op.prebuild_params == ("weight_dtype",)
+    flag = op.option("silu_grad_preactivation")
+    assert flag.choices == ("bf16", "fp32") and flag.default == "bf16"
+    assert "causal_conv1d" in cake.__all__
+
+
+def test_import_is_torch_free():
+    code = ("import sys; import miles_ext_kernels.cake.conv1d as m; m.check_supported(); "
+            "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_check_supported_accepts():
+    for w in (2, 3, 4):
+        for act in (None, "silu", "swish"):
+            for wd in ("float32", "bfloat16"):
+                conv1d.check_supported(kernel_size=w, activation=act, weight_dtype=wd)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(has_bias=True), "bias"),
+    (dict(kernel_size=5), "kernel_size"),
+    (dict(kernel_size=1), "kernel_size"),
+    (dict(kernel_size=True), "kernel_size"),
+    (dict(activation="gelu"), "activation"),
+    (dict(weight_dtype="float16"), "weight_dtype"),
+    (dict(x_dtype="float32"), "x_dtype"),
+])
+def test_check_supported_rejects(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        conv1d.check_supported(**kwargs)
+
+
+def test_cli_defaults_and_option():
+    args = parse("--linear-attention-conv-backend", "cake")
+    assert args.cake_conv1d_variant == "fast"  # miles' command-line default
+    assert args.cake_conv1d_silu_grad_preactivation == "bf16"
+    args = parse("--linear-attention-conv-backend", "cake", "--cake-conv1d-silu-grad-preactivation", "fp32",
+                 "--cake-conv1d-variant", "det")
+    mek.configure(args)
+    from miles_ext_kernels.cake._runtime import config
+    assert config.variant("conv1d") == "det"
+    assert config.option("conv1d", "silu_grad_preactivation") == "fp32"
+
+
+def test_cli_deterministic_mode_resolves_det():
+    args = parse("--linear-attention-conv-backend", "cake", "--deterministic-mode")
+    assert args.cake_conv1d_variant == "det"
+    with pytest.raises(ValueError, match="fast"):
+        parse("--linear-attention-conv-backend", "cake", "--deterministic-mode", "--cake-conv1d-variant", "fast")
+
+
+def test_option_without_selector_rejected():
+    with pytest.raises(ValueError, match="conv1d"):
+        parse("--cake-conv1d-silu-grad-preactivation", "fp32")
+    with pytest.raises(SystemExit):
+        parse("--linear-attention-conv-backend", "cake", "--cake-conv1d-silu-grad-preactivation", "fp16")
+
+
+def test_validate_kernel_width():
+    ns = argparse.Namespace(linear_attention_conv_backend="cake", linear_conv_kernel_dim=5)
+    with pytest.raises(ValueError, match="kernel width"):
+        conv1d.OP.validate(ns)
+    conv1d.OP.validate(argparse.Namespace(linear_conv_kernel_dim=4))
+
+
+def test_configure_keywords():
+    from miles_ext_kernels.cake._runtime import config
+    mek.configure(conv1d_variant="fast", conv1d_silu_grad_preactivation="fp32")
+    assert config.variant("conv1d") == "fast"
+    assert config.option("conv1d", "silu_grad_preactivation") == "fp32"
+    with pytest.raises(ValueError):
+        mek.configure(conv1d_silu_grad_preactivation="fp16")
+    mek.configure()
+    assert config.variant("conv1d") == "det"  # unconfigured process
+    assert config.option("conv1d", "silu_grad_preactivation") == "bf16"

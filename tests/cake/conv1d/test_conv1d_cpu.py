@@ -1,0 +1,194 @@
+"""conv1d through Triton's interpreter on CPU tensors: the real kernels on tiny shapes.
+
+The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest), which doubles the bf16 output
+error; the budgets here are set from what the interpreter measures (about half of each budget).
+"""
+import pytest
+import torch
+
+import miles_ext_kernels as mek
+from miles_ext_kernels.cake import conv1d
+from miles_ext_kernels.cake._impl.conv1d import demo, ops, routes
+from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_grads
+from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
+
+pytestmark = pytest.mark.interpreter
+
+BUDGET = {"y": 7e-3, "dx": 7e-3, "dw32": 4e-3, "dw16": 8e-3}
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    mek.configure()
+    yield
+    mek.configure()
+
+
+def make(T, D, W, wdt=torch.float32, seed=0, x_cols=None, x_off=0):
+    g = torch.Generator().manual_seed(seed)
+    if x_cols is None:
+        x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    else:  # a column slice of a wider projection
+        x = torch.randn(T, x_cols, generator=g).to(torch.bfloat16)[:, x_off:x_off + D]
+    w = (torch.randn(D, W, generator=g) * 0.5).to(wdt)
+    dy = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    return x, w, dy
+
+
+def run(x, w, dy, cu, activation="silu"):
+    x = x.detach().requires_grad_(True)
+    w = w.detach().requires_grad_(True)
+    y = conv1d.causal_conv1d(x, w, cu_seqlens=cu, activation=activation)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+CASES = [
+    # name, T, D, W, cu_seqlens, activation, weight dtype
+    ("1-token and short docs, D not a block multiple", 37, 40, 4, [0, 5, 6, 37], "silu", torch.float32),
+    ("empty docs, int64 cu, W=3", 29, 24, 3, [0, 0, 1, 3, 3, 29, 29], "silu", torch.float32),
+    ("one doc (None), W=2, no act, bf16 w", 21, 16, 2, None, None, torch.bfloat16),
+    ("docs crossing chunks, bf16 w", 35, 8, 4, [0, 2, 11, 12, 13, 35], "swish", torch.bfloat16),
+    ("D % 8 != 0 (unaligned route)", 19, 20, 4, [0, 7, 19], "silu", torch.float32),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_against_fp64_reference(case):
+    name, T, D, W, cu, act, wdt = case
+    x, w, dy = make(T, D, W, wdt)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64 if "int64" in name else torch.int32)
+    y, dx, dw = run(x, w, dy, cu_t, act)
+    ry, rdx, rdw = causal_conv1d_ref_grads(x, w, dy, cu_t, act, round_preactivation=False)
+    assert y.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16 and dw.dtype == wdt
+    check_budget("y", y, ry, BUDGET["y"])
+    check_budget("dx", dx, rdx, BUDGET["dx"])
+    check_budget("dw", dw, rdw, BUDGET["dw32" if wdt == torch.float32 else "dw16"])
+
+
+def test_strided_and_misaligned_x():
+    """x as a column slice of a wider projection: read in place (aligned) or copied (misaligned start)."""
+    cu = torch.tensor([0, 3, 17, 30], dtype=torch.int32)
+    for off in (8, 3):  # 8 columns: 16-byte aligned, stride 3*16; 3 columns: odd start, copied
+        x, w, dy = make(30, 16, 4, x_cols=48, x_off=off, seed=off)
+        assert x.stride() == (48, 1)
+        y, dx, dw = run(x, w, dy, cu)
+        ry, rdx, rdw = causal_conv1d_ref_grads(x, w, dy, cu, "silu")
+        check_budget("y", y, ry, BUDGET["y"])
+        check_budget("dx", dx, rdx, BUDGET["dx"])
+        check_budget("dw", dw, rdw, BUDGET["dw32"])
+
+
+def test_tiny_and_empty():
+    for T in (0, 1, 2):
+        x, w, dy = make(T, 8, 4, seed=T)
+        cu = torch.tensor([0, T], dtype=torch.int32)
+        y, dx, dw = run(x, w, dy, cu)
+        ry, rdx, rdw = causal_conv1d_ref_grads(x, w, dy, cu, "silu")
+        assert y.shape == (T, 8) and dx.shape == (T, 8) and dw.shape == (8, 4)
+        if T == 0:
+            assert torch.equal(dw, torch.zeros_like(dw))
+        else:
+            assert rel_rms(y, ry) < BUDGET["y"] and rel_rms(dx, rdx) < BUDGET["dx"]
+            assert rel_rms(dw, rdw) < BUDGET["dw32"]
+
+
+def test_silu_grad_preactivation_option():
+    """fp32: SiLU' at the exact pre-activation (dw matches the exact gradient to fp32 accuracy);
+    bf16: at the pre-activation rounded to bf16 (visibly different dw)."""
+    x, w, dy = make(40, 32, 4, seed=3)
+    cu = torch.tensor([0, 13, 40], dtype=torch.int32)
+    _, _, rdw = causal_conv1d_ref_grads(x, w, dy, cu, "silu", round_preactivation=False)
+    mek.configure(conv1d_silu_grad_preactivation="fp32")
+    _, dx32, dw32 = run(x, w, dy, cu)
+    mek.configure(conv1d_silu_grad_preactivation="bf16")
+    _, dx16, dw16 = run(x, w, dy, cu)
+    assert rel_rms(dw32, rdw) < 1e-6
+    assert rel_rms(dw16, rdw) > 1e-5
+    assert not torch.equal(dw16, dw32)
+
+
+def test_backward_runs_the_forward_variant_and_option(monkeypatch):
+    seen = []
+    real = ops._bwd
+
+    def spy(dy, x, w, cu, act_mode, det):
+        seen.append((act_mode, det))
+        return real(dy, x, w, cu, act_mode, det)
+
+    monkeypatch.setattr(ops, "_bwd", spy)
+    x, w, dy = make(12, 8, 4, seed=4)
+    for fwd_cfg, bwd_cfg, want in (
+            (dict(conv1d_variant="det"), dict(conv1d_variant="fast"), (1, True)),
+            (dict(conv1d_variant="fast", conv1d_silu_grad_preactivation="fp32"), dict(), (2, False))):
+        xr = x.detach().requires_grad_(True)
+        wr = w.detach().requires_grad_(True)
+        mek.configure(**fwd_cfg)
+        y = conv1d.causal_conv1d(xr, wr)
+        mek.configure(**bwd_cfg)
+        y.backward(dy)
+        assert seen[-1] == want
+
+
+def test_det_repeats_and_fast_agrees():
+    x, w, dy = make(33, 24, 4, seed=5)
+    cu = torch.tensor([0, 9, 10, 33], dtype=torch.int32)
+    a = run(x, w, dy, cu)
+    b = run(x, w, dy, cu)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    mek.configure(conv1d_variant="fast")
+    f = run(x, w, dy, cu)
+    assert torch.equal(f[0], a[0]) and torch.equal(f[1], a[1])  # y and dx: the same kernels
+    torch.testing.assert_close(f[2], a[2], rtol=1e-5, atol=1e-5)  # dw: another summation order
+
+
+@pytest.mark.parametrize("bad, exc, word", [
+    (lambda x, w, cu: (x.float(), w, cu, "silu"), TypeError, "x"),
+    (lambda x, w, cu: (x[None], w, cu, "silu"), ValueError, "x"),
+    (lambda x, w, cu: (x.t(), w, cu, "silu"), ValueError, "x"),
+    (lambda x, w, cu: (x, w.half(), cu, "silu"), TypeError, "weight"),
+    (lambda x, w, cu: (x, w[:, :1], cu, "silu"), ValueError, "weight"),
+    (lambda x, w, cu: (x, torch.zeros(8, 5), cu, "silu"), ValueError, "weight"),
+    (lambda x, w, cu: (x, w[:4], cu, "silu"), ValueError, "weight"),
+    (lambda x, w, cu: (x, w, cu.float(), "silu"), TypeError, "cu_seqlens"),
+    (lambda x, w, cu: (x, w, cu[None], "silu"), ValueError, "cu_seqlens"),
+    (lambda x, w, cu: (x, w, cu, "gelu"), ValueError, "activation"),
+])
+def test_bad_input_raises_before_launch(bad, exc, word, monkeypatch):
+    monkeypatch.setattr(ops, "_fwd", lambda *a: pytest.fail("launched"))
+    x, w, _ = make(8, 8, 4)
+    args = bad(x, w, torch.tensor([0, 8], dtype=torch.int32))
+    with pytest.raises(exc, match=word):
+        conv1d.causal_conv1d(args[0], args[1], cu_seqlens=args[2], activation=args[3])
+
+
+def test_torch_compile_fullgraph_traces():
+    x, w, dy = make(16, 8, 4, seed=6)
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+
+    def f(x, w, cu):
+        return conv1d.causal_conv1d(x, w, cu_seqlens=cu) * 2
+
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = torch.compile(f, fullgraph=True, backend="aot_eager")(xr, wr, cu)
+    y.backward(dy)
+    xe, we = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ye = f(xe, we, cu)
+    ye.backward(dy)
+    assert torch.equal(y, ye) and torch.equal(xr.grad, xe.grad) and torch.equal(wr.grad, we.grad)
+
+
+def test_routes_declared():
+    for wd in ("float32", "bfloat16"):
+        rs = routes(weight_dtype=wd)
+        labels = [r.label for r in rs]
+        assert len(labels) == len(set(labels)) == 3 * 2 * 2 * (2 + 6) + 3
+    with pytest.raises(ValueError, match="weight_dtype"):
+        routes(weight_dtype="float16")
+
+
+def test_demo_cpu():
+    rows = demo("cpu")
+    assert rows and all(r["ok"] for r in rows), rows
+    assert {r["tensor"] for r in rows} == {"y", "dx", "dw"}
