@@ -68,19 +68,19 @@ def _find_tile(TS, CU_A, CU_B, t, n_seg, n_iter, REVERSE: tl.constexpr):
 # ------------------------------------------------------------------------------------------------------------------
 # forward
 @triton.jit
-def _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
+def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
                MASK: tl.constexpr, INTERPRET: tl.constexpr):
     if MASK:
         kvalid = (n + offs_n) < L_k
-        kT = tl.load(kT_ptrs, mask=kvalid[None, :], other=0.0)
+        k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
     else:
-        kT = tl.load(kT_ptrs)
+        k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     if INTERPRET:
-        kT = kT.to(tl.float32)
+        k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, kT) * qk_scale
+    s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASK:
         keep = ((n + offs_n)[None, :] <= (m0 + offs_m)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
         s = tl.where(keep, s, float("-inf"))
@@ -131,7 +131,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
             q = q.to(tl.float32)
         kbase = K + k0.to(tl.int64) * skt + hk * skh
         vbase = V + k0.to(tl.int64) * svt + hk * svh
-        kT_ptrs = kbase + (offs_n[None, :] * skt + offs_d[:, None])
+        kT_ptrs = kbase + (offs_n[:, None] * skt + offs_d[None, :])
         v_ptrs = vbase + (offs_n[:, None] * svt + offs_d[None, :])
         acc = tl.zeros([BM, D], dtype=tl.float32)
         l_i = tl.zeros([BM], dtype=tl.float32)
@@ -139,12 +139,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
         # key blocks every row of the tile sees in full: [0, n_full)
         n_full = (tl.maximum(tl.minimum(m0 + offset + 1, L_k), 0) // BN) * BN
         hi = tl.maximum(tl.minimum(L_k, m0 + BM + offset), 0)
-        for n in range(0, n_full, BN):
-            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k,
-                                       qk_scale, False, INTERPRET)
-            kT_ptrs += BN * skt
-            v_ptrs += BN * svt
-        for n in range(n_full, hi, BN):
+        for n in range(0, hi, BN):
             acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k,
                                        qk_scale, True, INTERPRET)
             kT_ptrs += BN * skt
@@ -246,12 +241,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, TS,
         dq = tl.zeros([BM, D], dtype=tl.float32)
         n_full = (tl.maximum(tl.minimum(m0 + offset + 1, L_k), 0) // BN) * BN
         hi = tl.maximum(tl.minimum(L_k, m0 + BM + offset), 0)
-        for n in range(0, n_full, BN):
-            dq = _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
-                           False, INTERPRET)
-            k_ptrs += BN * skt
-            v_ptrs += BN * svt
-        for n in range(n_full, hi, BN):
+        for n in range(0, hi, BN):
             dq = _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
                            True, INTERPRET)
             k_ptrs += BN * skt
@@ -361,15 +351,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU_Q, CU_K, TS,
         m_u_end = tl.maximum(m_full + ((L_q - m_full) // BM) * BM, m_full)
         for g in range(group):
             h = hk * group + g
-            for m in range(m_lo, m_mask_end, BM):
-                dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
-                                     offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
-                                     True, FUSE_DQ, INTERPRET)
-            for m in range(m_full, m_u_end, BM):
-                dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
-                                     offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
-                                     False, FUSE_DQ, INTERPRET)
-            for m in range(m_u_end, L_q, BM):
+            for m in range(m_lo, L_q, BM):
                 dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
                                      offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
                                      True, FUSE_DQ, INTERPRET)

@@ -1,0 +1,337 @@
+"""`gqa` implementation: operand checks, launchers, torch.library custom ops (+ fakes) and autograd.
+
+Layers: kernels.py (@triton.jit) -> launchers `gqa_forward` / `gqa_backward` (allocate, grid, no autograd) ->
+custom ops `miles_ext_kernels::gqa_fwd` / `gqa_bwd` with autograd registered -> `varlen_gqa_attention`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from ..._runtime import checks, config, workspace
+from ..._runtime.build import INTERPRET, check_device
+from . import kernels as K
+
+OP_NAME = "gqa"
+HEAD_DIM = 256
+DEFAULT_SCALE = HEAD_DIM ** -0.5
+
+# Fixed configs per arch (no runtime autotune: a new process picks the same config, hence the same bits).
+# Nothing here depends on T or B, so a document's bits do not depend on the pack it sits in.
+CONFIGS = {
+    "sm_90a": {
+        "fwd": dict(BM=128, BN=64, num_warps=8, num_stages=2),
+        "dq": dict(BM=128, BN=64, num_warps=8, num_stages=1),
+        "dkdv": dict(BM=64, BN=64, num_warps=8, num_stages=2),
+        "delta": dict(BR=32, num_warps=4, num_stages=1),
+        "prefix": dict(BLOCK=1024, num_warps=4, num_stages=1),
+        "cast": dict(BLOCK=4096, num_warps=4, num_stages=1),
+    },
+    # the interpreter (CPU tests): small blocks so tiny shapes still cross tile and mask boundaries
+    "interpret": {
+        "fwd": dict(BM=16, BN=16, num_warps=4, num_stages=1),
+        "dq": dict(BM=16, BN=16, num_warps=4, num_stages=1),
+        "dkdv": dict(BM=16, BN=16, num_warps=4, num_stages=1),
+        "delta": dict(BR=16, num_warps=4, num_stages=1),
+        "prefix": dict(BLOCK=64, num_warps=4, num_stages=1),
+        "cast": dict(BLOCK=1024, num_warps=4, num_stages=1),
+    },
+}
+
+# fast variant: dQ summed with fp32 atomics inside the dK/dV kernel (False: fast runs the det kernels)
+FAST_FUSED_DQ = {"sm_90a": False, "interpret": False}
+
+SCRATCH_ROLE = (OP_NAME, "bwd_scratch")
+
+
+def _arch_of(t: torch.Tensor) -> str:
+    if t.device.type != "cuda":
+        return "interpret"
+    from ..._runtime.build import device_arch
+
+    return device_arch(t.device)
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _ready(t: torch.Tensor) -> torch.Tensor:
+    """A [T, H, D] operand the kernels can read in place: 16-byte aligned start, row strides multiple of 16."""
+    T, H, _ = t.shape
+    st = t.stride(0) if T > 1 else H * HEAD_DIM
+    sh = t.stride(1) if H > 1 else HEAD_DIM
+    if (t.numel() > 0 and t.data_ptr() % 16) or st % 16 or sh % 16 or t.stride(2) != 1:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _strides(t: torch.Tensor):
+    """Row strides (token, head) as passed to the kernels; size-1 dims get a canonical stride (any value works)."""
+    T, H, _ = t.shape
+    return (t.stride(0) if T > 1 else H * HEAD_DIM), (t.stride(1) if H > 1 else HEAD_DIM)
+
+
+def _cu_ready(cu: torch.Tensor) -> torch.Tensor:
+    return cu.clone() if cu.data_ptr() % 16 else cu
+
+
+def _prefix(cu: torch.Tensor, ts: torch.Tensor, tile: int, cfg) -> None:
+    n_seg = cu.shape[0] - 1
+    c = cfg["prefix"]
+    K._tile_prefix_kernel[(1,)](cu, ts, n_seg, tile, BLOCK=c["BLOCK"], num_warps=c["num_warps"],
+                                num_stages=c["num_stages"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launchers
+def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
+    """out [T_q, H_q, D] (q's dtype), lse fp32 [H_q, T_q]. Operands already checked."""
+    cfg = cfg or CONFIGS[_arch_of(q)]
+    q, k, v = _ready(q), _ready(k), _ready(v)
+    cu_q, cu_k = _cu_ready(cu_q), _cu_ready(cu_k)
+    T_q, H_q, D = q.shape
+    H_kv = k.shape[1]
+    B = cu_q.shape[0] - 1
+    out = torch.empty((T_q, H_q, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((H_q, T_q), dtype=torch.float32, device=q.device)
+    c = cfg["fwd"]
+    upper = _cdiv(T_q, c["BM"]) + B
+    if upper * H_q == 0:
+        return out, lse
+    ts = torch.empty(B + 1, dtype=torch.int32, device=q.device)
+    _prefix(cu_q, ts, c["BM"], cfg)
+    sqt, sqh = _strides(q)
+    skt, skh = _strides(k)
+    svt, svh = _strides(v)
+    K._fwd_kernel[(upper * H_q,)](
+        q, k, v, out, lse, cu_q, cu_k, ts,
+        float(scale), T_q, B, B.bit_length(), H_q, H_q // H_kv,
+        sqt, sqh, skt, skh, svt, svh, out.stride(0), out.stride(1),
+        D=D, BM=c["BM"], BN=c["BN"], INTERPRET=INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return out, lse
+
+
+def _align(n: int) -> int:
+    return _cdiv(n, 256) * 256
+
+
+def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, cfg=None, fused=None):
+    """(dq, dk, dv) in the dtypes of q, k, v. `fused` overrides the fast variant's dQ mode (tuning)."""
+    arch = _arch_of(q)
+    cfg = cfg or CONFIGS[arch]
+    if fused is None:
+        fused = variant == "fast" and FAST_FUSED_DQ[arch]
+    q, k, v, do, out = _ready(q), _ready(k), _ready(v), _ready(do), _ready(out)
+    cu_q, cu_k = _cu_ready(cu_q), _cu_ready(cu_k)
+    T_q, H_q, D = q.shape
+    T_k, H_kv = k.shape[:2]
+    group = H_q // H_kv
+    B = cu_q.shape[0] - 1
+    dq = torch.empty((T_q, H_q, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((T_k, H_kv, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty((T_k, H_kv, D), dtype=v.dtype, device=v.device)
+    cq, ckv, cd = cfg["dq"], cfg["dkdv"], cfg["delta"]
+    # one scratch buffer: [fp32 dQ accumulator (fused only)] [delta fp32 H_q*T_q] [tile prefix q] [tile prefix k]
+    n_acc = _align(T_q * H_q * D * 4) if fused else 0
+    n_delta = _align(H_q * T_q * 4)
+    n_ts = _align((B + 1) * 4)
+    scratch = workspace.take(SCRATCH_ROLE, n_acc + n_delta + 2 * n_ts, device=q.device)
+    dqa = scratch[:n_acc].view(torch.float32) if fused else scratch[:16].view(torch.float32)
+    delta = scratch[n_acc:n_acc + n_delta].view(torch.float32)
+    ts_q = scratch[n_acc + n_delta:n_acc + n_delta + n_ts].view(torch.int32)
+    ts_k = scratch[n_acc + n_delta + n_ts:].view(torch.int32)
+    sqt, sqh = _strides(q)
+    skt, skh = _strides(k)
+    svt, svh = _strides(v)
+    sdt, sdh = _strides(do)
+    sot, soh = _strides(out)
+    if T_q * H_q > 0:
+        K._bwd_delta_kernel[(_cdiv(T_q, cd["BR"]) * H_q,)](
+            out, do, delta, T_q, H_q, sot, soh, sdt, sdh,
+            D=D, BR=cd["BR"], INTERPRET=INTERPRET, num_warps=cd["num_warps"], num_stages=cd["num_stages"])
+    upper_k = _cdiv(T_k, ckv["BN"]) + B
+    if fused:
+        dqa.zero_()
+    if upper_k * H_kv > 0:
+        _prefix(cu_k, ts_k, ckv["BN"], cfg)
+        sat, sah = (H_q * D, D) if fused else (H_q * D, D)
+        K._bwd_dkdv_kernel[(upper_k * H_kv,)](
+            q, k, v, do, lse, delta, dk, dv, dqa, cu_q, cu_k, ts_k,
+            float(scale), T_q, T_k, B, B.bit_length(), H_kv, group,
+            sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, dk.stride(0), dk.stride(1), dv.stride(0),
+            dv.stride(1),
+            D=D, BM=ckv["BM"], BN=ckv["BN"], FUSE_DQ=fused, INTERPRET=INTERPRET,
+            num_warps=ckv["num_warps"], num_stages=ckv["num_stages"])
+    if fused:
+        n = T_q * H_q * D
+        if n > 0:
+            cc = cfg["cast"]
+            K._dq_cast_kernel[(_cdiv(n, cc["BLOCK"]),)](dqa, dq, n, float(scale), BLOCK=cc["BLOCK"],
+                                                        num_warps=cc["num_warps"], num_stages=cc["num_stages"])
+    else:
+        upper_q = _cdiv(T_q, cq["BM"]) + B
+        if upper_q * H_q > 0:
+            _prefix(cu_q, ts_q, cq["BM"], cfg)
+            K._bwd_dq_kernel[(upper_q * H_q,)](
+                q, k, v, do, lse, delta, dq, cu_q, cu_k, ts_q,
+                float(scale), T_q, B, B.bit_length(), H_q, group,
+                sqt, sqh, skt, skh, svt, svh, sdt, sdh, dq.stride(0), dq.stride(1),
+                D=D, BM=cq["BM"], BN=cq["BN"], INTERPRET=INTERPRET,
+                num_warps=cq["num_warps"], num_stages=cq["num_stages"])
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# routes: every kernel specialization a call can launch (prebuild compiles these; no_build proves it is enough)
+def routes(**model_params):
+    """The kernel routes of gqa on the current device's arch (head dim fixed at 256: no model parameters)."""
+    from ..._runtime.build import Route, device_arch
+
+    if model_params:
+        raise TypeError(f"gqa routes take no model parameters, got {sorted(model_params)}")
+    arch = device_arch()
+    cfg = CONFIGS[arch]
+    bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
+    n, st, sh = 1000, 4096, 256  # runtime ints (not specialized) and row strides (multiples of 16 elements)
+
+    def launch(c):
+        return {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
+
+    c = cfg["prefix"]
+    out = [Route(K._tile_prefix_kernel, (i32, i32, n, 64), (1,), {"BLOCK": c["BLOCK"], **launch(c)}, "tile_prefix")]
+    c = cfg["fwd"]
+    out.append(Route(K._fwd_kernel, (bf, bf, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n) + (st, sh) * 4,
+                     (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "INTERPRET": False, **launch(c)}, "fwd"))
+    c = cfg["delta"]
+    out.append(Route(K._bwd_delta_kernel, (bf, bf, f32, n, n) + (st, sh) * 2, (1,),
+                     {"D": HEAD_DIM, "BR": c["BR"], "INTERPRET": False, **launch(c)}, "bwd_delta"))
+    c = cfg["dq"]
+    out.append(Route(K._bwd_dq_kernel, (bf, bf, bf, bf, f32, f32, bf, i32, i32, i32, 0.0625, n, n, n, n, n)
+                     + (st, sh) * 5, (1,),
+                     {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "INTERPRET": False, **launch(c)}, "bwd_dq"))
+    c = cfg["dkdv"]
+    for fused in (False, True) if FAST_FUSED_DQ[arch] else (False,):
+        out.append(Route(K._bwd_dkdv_kernel, (bf, bf, bf, bf, f32, f32, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n,
+                                              n, n, n) + (st, sh) * 7, (1,),
+                         {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "FUSE_DQ": fused, "INTERPRET": False,
+                          **launch(c)}, f"bwd_dkdv{'_fused_dq' if fused else ''}"))
+    if FAST_FUSED_DQ[arch]:
+        c = cfg["cast"]
+        out.append(Route(K._dq_cast_kernel, (f32, bf, n, 0.0625), (1,), {"BLOCK": c["BLOCK"], **launch(c)},
+                         "dq_cast"))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.library custom ops, so torch.compile(fullgraph=True) traces the op
+@torch.library.custom_op("miles_ext_kernels::gqa_fwd", mutates_args=())
+def gqa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, softmax_scale: float, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # out and LSE come from the same kernel in both variants
+    return gqa_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+
+
+@gqa_fwd.register_fake
+def _gqa_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant):
+    T_q, H_q, D = q.shape
+    return q.new_empty((T_q, H_q, D)), q.new_empty((H_q, T_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("miles_ext_kernels::gqa_bwd", mutates_args=())
+def gqa_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, softmax_scale: float,
+            variant: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gqa_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant)
+
+
+@gqa_bwd.register_fake
+def _gqa_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, scale, variant = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.scale = scale
+    ctx.variant = variant  # a backward runs the variant its forward ran
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.miles_ext_kernels.gqa_bwd(dout, q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.variant)
+    return dq, dk, dv, None, None, None, None
+
+
+gqa_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# operand checks
+def _check_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, return_lse):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_tensor(name, t, dtype=torch.bfloat16, ndim=3, last_stride_one=True)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        checks.check_tensor(name, t, dtype=torch.int32, ndim=1, last_stride_one=True)
+    checks.check_same_device([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                              ("cu_seqlens_k", cu_seqlens_k)])
+    check_device(q, "q")
+    T_q, H_q, D = q.shape
+    T_k, H_kv, D_k = k.shape
+    if D != HEAD_DIM:
+        raise ValueError(f"q: head dim must be {HEAD_DIM}, got shape {tuple(q.shape)}")
+    if D_k != HEAD_DIM:
+        raise ValueError(f"k: head dim must be {HEAD_DIM}, got shape {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if H_q == 0 or H_kv == 0:
+        raise ValueError(f"q and k need at least one head, got H_q={H_q}, H_kv={H_kv}")
+    if H_q % H_kv:
+        raise ValueError(f"q's heads ({H_q}) must be a multiple of k's heads ({H_kv})")
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q must hold at least one entry (B + 1 boundaries)")
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape {tuple(cu_seqlens_q.shape)}, got "
+                         f"{tuple(cu_seqlens_k.shape)}")
+    checks.check_host_int("max_seqlen_k", max_seqlen_k, minimum=0)
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+
+
+def check_seqlens(cu_seqlens_q, cu_seqlens_k, T_q: int, T_k: int, max_seqlen_k: int) -> None:
+    """Validate the boundaries on the host (one device sync). ValueError naming the argument."""
+    for name, cu, T in (("cu_seqlens_q", cu_seqlens_q, T_q), ("cu_seqlens_k", cu_seqlens_k, T_k)):
+        c = cu.detach().to("cpu", torch.int64)
+        if int(c[0]) != 0:
+            raise ValueError(f"{name} must start at 0, got {int(c[0])}")
+        if c.shape[0] > 1 and bool((c[1:] < c[:-1]).any()):
+            raise ValueError(f"{name} must be non-decreasing")
+        if int(c[-1]) > T:
+            raise ValueError(f"{name} ends at {int(c[-1])}, past the {T} tokens")
+        if name == "cu_seqlens_k" and c.shape[0] > 1:
+            longest = int((c[1:] - c[:-1]).max())
+            if longest > max_seqlen_k:
+                raise ValueError(f"max_seqlen_k={max_seqlen_k} but a segment has {longest} keys")
+
+
+def varlen_gqa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_k, softmax_scale=None,
+                         return_lse=False):
+    """See `miles_ext_kernels.cake.gqa.varlen_gqa_attention`."""
+    _check_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, return_lse)
+    variant = config.variant(OP_NAME)
+    if config.option(OP_NAME, "check_seqlens"):
+        check_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_k)
+    scale = DEFAULT_SCALE if softmax_scale is None else float(softmax_scale)
+    out, lse = torch.ops.miles_ext_kernels.gqa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, variant)
+    return (out, lse) if return_lse else out

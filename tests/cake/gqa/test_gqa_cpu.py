@@ -1,0 +1,260 @@
+"""gqa through Triton's interpreter on CPU tensors: accuracy vs FP64, edges, det bits, packing invariance, checks.
+
+The interpreter runs the same kernels with small blocks (CONFIGS["interpret"]: 16-row tiles), so these tiny layouts
+cross tile, key-block and causal-diagonal boundaries; tiles start at segment starts whatever the block size, which
+is what the packing-invariance tests prove.
+"""
+import pytest
+import torch
+
+import miles_ext_kernels as mek
+from miles_ext_kernels.cake import gqa as decl
+from miles_ext_kernels.cake._impl.gqa import demo, ops, reference
+from miles_ext_kernels.cake._runtime.testing import check_budget
+
+pytestmark = pytest.mark.interpreter
+BF = torch.bfloat16
+D = 256
+BUDGET = 1.0e-2  # relative RMS vs FP64 on the interpreter (bf16 operands; measured ~4e-3 out, ~7e-3 grads)
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    mek.configure()
+    yield
+    mek.configure()
+
+
+def _cu(lens):
+    return torch.tensor([0] + list(torch.tensor(lens, dtype=torch.int64).cumsum(0)), dtype=torch.int32)
+
+
+def _inputs(lens_q, lens_k, hq, hkv, pad_q=0, pad_k=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(lens_q) + pad_q, sum(lens_k) + pad_k
+    q = torch.randn(tq, hq, D, generator=g).to(BF)
+    k = torch.randn(tk, hkv, D, generator=g).to(BF)
+    v = torch.randn(tk, hkv, D, generator=g).to(BF)
+    do = torch.randn(tq, hq, D, generator=g).to(BF)
+    return q, k, v, do, _cu(lens_q), _cu(lens_k)
+
+
+def _run(q, k, v, do, cq, ck, max_k=None, **kw):
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    if max_k is None:
+        max_k = int((ck[1:] - ck[:-1]).max()) if ck.numel() > 1 else 0
+    out, lse = decl.varlen_gqa_attention(qr, kr, vr, cq, ck, max_seqlen_k=max_k, return_lse=True, **kw)
+    dq, dk, dv = torch.autograd.grad(out, (qr, kr, vr), do, allow_unused=True)
+    return out.detach(), lse, dq, dk, dv
+
+
+def _check(inp, got, scale=None):
+    q, k, v, do, cq, ck = inp
+    ro, rl, rdq, rdk, rdv = reference.reference_grads(q, k, v, cq, ck, do, scale)
+    out, lse, dq, dk, dv = got
+    assert out.dtype == BF and lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0])
+    check_budget("out", out, ro, BUDGET)
+    for name, g, r in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        if r.abs().max() > 0:
+            check_budget(name, g, r, BUDGET)
+        else:
+            assert torch.equal(g, torch.zeros_like(g)), name
+    # LSE: -inf exactly where the reference has it, close elsewhere
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
+    fin = torch.isfinite(rl)
+    assert torch.allclose(lse.double()[fin], rl[fin], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (3, 1), (8, 1)])
+def test_group_ratios(hq, hkv):
+    inp = _inputs([37, 20], [37, 20], hq, hkv, seed=hq)
+    _check(inp, _run(*inp))
+
+
+def test_padding_and_empty_segments():
+    inp = _inputs([17, 0, 30, 0], [17, 0, 30, 0], 2, 1, pad_q=9, pad_k=5, seed=1)
+    got = _run(*inp)
+    _check(inp, got)
+    out, lse, dq, dk, dv = got
+    assert torch.equal(out[47:], torch.zeros_like(out[47:])) and torch.isneginf(lse[:, 47:]).all()
+    assert torch.equal(dq[47:], torch.zeros_like(dq[47:]))
+    assert torch.equal(dk[47:], torch.zeros_like(dk[47:])) and torch.equal(dv[47:], torch.zeros_like(dv[47:]))
+
+
+def test_lk_less_than_lq_rows_without_keys():
+    # L_q = 40, L_k = 18: the first 22 queries of segment 0 see no key -> out 0, LSE -inf, no gradient
+    inp = _inputs([40, 12], [18, 33], 2, 1, seed=2)
+    got = _run(*inp)
+    _check(inp, got)
+    out, lse, dq, _, _ = got
+    assert torch.equal(out[:22], torch.zeros_like(out[:22])) and torch.isneginf(lse[:, :22]).all()
+    assert torch.equal(dq[:22], torch.zeros_like(dq[:22]))
+
+
+def test_lk_greater_than_lq_and_scale():
+    inp = _inputs([9, 25], [40, 30], 4, 1, seed=3)
+    _check(inp, _run(*inp, softmax_scale=0.05), scale=0.05)
+
+
+def test_segments_without_keys_or_queries():
+    inp = _inputs([10, 0, 12], [0, 14, 12], 2, 2, seed=4)
+    got = _run(*inp)
+    _check(inp, got)
+    assert torch.equal(got[0][:10], torch.zeros_like(got[0][:10]))
+    assert torch.equal(got[3][:14], torch.zeros_like(got[3][:14]))  # keys no query sees: dK 0
+
+
+def test_empty_calls():
+    for lq, lk in (([0], [5]), ([6], [0]), ([], [])):
+        inp = _inputs(lq, lk, 2, 1, seed=5)
+        out, lse, dq, dk, dv = _run(*inp, max_k=8)
+        assert out.shape == inp[0].shape and torch.equal(out, torch.zeros_like(out))
+        assert dq.shape == inp[0].shape and dk.shape == inp[1].shape
+        assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+def test_strided_views_of_packed_qkv():
+    g = torch.Generator().manual_seed(6)
+    lens, hq, hkv = [21, 30], 4, 2
+    qkv = torch.randn(sum(lens), hq + 2 * hkv, D, generator=g).to(BF)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    assert not q.is_contiguous()
+    do = torch.randn(sum(lens), hq, D, generator=g).to(BF)
+    inp = (q, k, v, do, _cu(lens), _cu(lens))
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    out = decl.varlen_gqa_attention(qq, kk, vv, inp[4], inp[5], max_seqlen_k=30)
+    got_c = _run(q.contiguous(), k.contiguous(), v.contiguous(), do, inp[4], inp[5])
+    assert torch.equal(out, got_c[0])
+    dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), do)
+    assert torch.equal(dq, got_c[2]) and torch.equal(dk, got_c[3]) and torch.equal(dv, got_c[4])
+
+
+def test_det_bits_repeat_and_max_seqlen_k():
+    inp = _inputs([33, 19], [33, 19], 3, 1, seed=7)
+    a = _run(*inp)
+    for max_k in (33, 50, inp[1].shape[0]):
+        b = _run(*inp, max_k=max_k)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def test_packing_invariance():
+    """A document's out, LSE, dQ, dK, dV are the same bits alone, first, middle, last, whatever the pack's size."""
+    g = torch.Generator().manual_seed(8)
+    hq, hkv = 4, 2
+    L = 29
+    doc = [torch.randn(L, h, D, generator=g).to(BF) for h in (hq, hkv, hkv, hq)]
+
+    def pack(before, after):
+        parts = []
+        for i, h in enumerate((hq, hkv, hkv, hq)):
+            parts.append(torch.cat([torch.randn(before, h, D, generator=g).to(BF), doc[i],
+                                    torch.randn(after + 3, h, D, generator=g).to(BF)]))  # 3 padding tokens
+        lens = [n for n in (before, L, after) if n]
+        start = before
+        return parts, lens, start
+
+    ref = None
+    for before, after in ((0, 0), (0, 18), (23, 0), (17, 40)):
+        (q, k, v, do), lens, s = pack(before, after)
+        cu = _cu(lens)
+        out, lse, dq, dk, dv = _run(q, k, v, do, cu, cu)
+        got = (out[s:s + L], lse[:, s:s + L], dq[s:s + L], dk[s:s + L], dv[s:s + L])
+        if ref is None:
+            ref = got
+        else:
+            for x, y in zip(ref, got):
+                assert torch.equal(x, y), (before, after)
+
+
+def test_fused_atomic_dq_path():
+    """The fast variant's fused dQ (fp32 atomics in the dK/dV kernel) where a config selects it."""
+    q, k, v, do, cq, ck = _inputs([26, 31], [26, 31], 4, 1, pad_q=4, seed=9)
+    out, lse = ops.gqa_forward(q, k, v, cq, ck, D ** -0.5)
+    dq, dk, dv = ops.gqa_backward(do, q, k, v, out, lse, cq, ck, D ** -0.5, "fast", fused=True)
+    dq0, dk0, dv0 = ops.gqa_backward(do, q, k, v, out, lse, cq, ck, D ** -0.5, "det")
+    assert torch.equal(dk, dk0) and torch.equal(dv, dv0)
+    ro, rl, rdq, rdk, rdv = reference.reference_grads(q, k, v, cq, ck, do)
+    check_budget("dq", dq, rdq, BUDGET)
+    assert torch.equal(dq[57:], torch.zeros_like(dq[57:]))
+
+
+def test_variants_configured():
+    inp = _inputs([20], [20], 2, 1, seed=10)
+    a = _run(*inp)
+    mek.configure(gqa_variant="fast")
+    b = _run(*inp)
+    for x, y in zip(a, b):  # fast runs det's kernels for out/LSE/dK/dV
+        assert torch.equal(x, y) or x is y
+    mek.configure(deterministic_mode=True)
+    c = _run(*inp)
+    assert torch.equal(a[2], c[2])
+
+
+def test_check_seqlens_option():
+    q, k, v, do, cq, ck = _inputs([10, 12], [10, 12], 2, 1, seed=11)
+    mek.configure(gqa_check_seqlens=True)
+    decl.varlen_gqa_attention(q, k, v, cq, ck, max_seqlen_k=12)
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        decl.varlen_gqa_attention(q, k, v, cq, ck, max_seqlen_k=11)
+    bad = cq.clone()
+    bad[0] = 1
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        decl.varlen_gqa_attention(q, k, v, bad, ck, max_seqlen_k=12)
+    bad = ck.clone()
+    bad[1] = 15
+    bad[2] = 14
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        decl.varlen_gqa_attention(q, k, v, cq, bad, max_seqlen_k=20)
+    bad = ck.clone()
+    bad[2] = 40
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        decl.varlen_gqa_attention(q, k, v, cq, bad, max_seqlen_k=40)
+
+
+def _bad_calls():
+    q, k, v, do, cq, ck = _inputs([8], [8], 2, 1, seed=12)
+    ok = dict(q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_k=8)
+    cases = [
+        (dict(q=q.float()), TypeError, "q"),
+        (dict(k=k.half()), TypeError, "k"),
+        (dict(v=v[:, :, :128]), ValueError, "v"),
+        (dict(q=q[:, :, :128].contiguous()), ValueError, "q"),
+        (dict(k=k[:, :, :128].contiguous(), v=v[:, :, :128].contiguous()), ValueError, "k"),
+        (dict(q=q[0]), ValueError, "q"),
+        (dict(q=q.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "q"),
+        (dict(q=torch.randn(8, 3, D).to(BF), k=torch.randn(8, 2, D).to(BF), v=torch.randn(8, 2, D).to(BF)), ValueError,
+         "multiple"),
+        (dict(cu_seqlens_q=cq.long()), TypeError, "cu_seqlens_q"),
+        (dict(cu_seqlens_k=ck[None]), ValueError, "cu_seqlens_k"),
+        (dict(cu_seqlens_k=torch.tensor([0, 4, 8], dtype=torch.int32)), ValueError, "cu_seqlens_k"),
+        (dict(cu_seqlens_q=torch.zeros(0, dtype=torch.int32)), ValueError, "cu_seqlens_q"),
+        (dict(max_seqlen_k=True), TypeError, "max_seqlen_k"),
+        (dict(max_seqlen_k=torch.tensor(8)), TypeError, "max_seqlen_k"),
+        (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k"),
+        (dict(max_seqlen_k=8.0), TypeError, "max_seqlen_k"),
+        (dict(softmax_scale="0.1"), TypeError, "softmax_scale"),
+        (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+        (dict(return_lse=1), TypeError, "return_lse"),
+        (dict(q=q.float().numpy()), TypeError, "q"),
+    ]
+    return ok, cases
+
+
+def test_rejected_operands():
+    ok, cases = _bad_calls()
+    for change, err, match in cases:
+        kw = dict(ok)
+        kw.update(change)
+        extra = {n: kw.pop(n) for n in ("softmax_scale", "return_lse") if n in kw}
+        args = [kw.pop(n) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
+        with pytest.raises(err, match=match):
+            decl.varlen_gqa_attention(*args, **kw, **extra)
+    with pytest.raises(TypeError):
+        decl.varlen_gqa_attention(ok["q"], ok["k"], ok["v"], ok["cu_seqlens_q"], ok["cu_seqlens_k"], 8)
+
+
+def test_demo_rows():
+    rows = demo("cpu")
+    assert rows and all(r["ok"] for r in rows), rows
+    assert {r["tensor"] for r in rows} == {"out", "dq", "dk", "dv"}
