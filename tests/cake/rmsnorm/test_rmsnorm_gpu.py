@@ -1,0 +1,143 @@
+"""rmsnorm on the GPU: accuracy vs FP64 at model sizes, layouts, bits (repeats, side stream, pool), no host sync."""
+import pytest
+import torch
+
+import miles_ext_kernels as mek
+from miles_ext_kernels import cake
+from miles_ext_kernels.cake import rmsnorm as decl
+from miles_ext_kernels.cake._impl.rmsnorm import _demo as demo_mod
+from miles_ext_kernels.cake._impl.rmsnorm import ops
+from miles_ext_kernels.cake._impl.rmsnorm.reference import grads_ref
+from miles_ext_kernels.cake._runtime.testing import check_budget
+
+pytestmark = pytest.mark.gpu
+BF, F32 = torch.bfloat16, torch.float32
+SIZES = (2048, 5120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    for h in SIZES:  # compile every route once, in parallel (the tests then load them)
+        cake.prebuild("rmsnorm", hidden_size=h)
+    yield
+    mek.configure()
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    mek.configure()
+    yield
+    mek.configure()
+
+
+def inputs(shape, wdtype, seed=0, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g).to(BF)
+    w = (0.2 * torch.randn(shape[-1], generator=g)).to(wdtype)
+    dy = torch.randn(shape, generator=g).to(BF)
+    return x.to(device), w.to(device), dy.to(device)
+
+
+def run(x, w, dy, eps=1e-6):
+    xr = x.detach().requires_grad_(True)
+    wr = w.detach().clone().requires_grad_(True)
+    y = decl.zero_centered_rmsnorm(xr, wr, eps)
+    y.backward(dy)
+    return y.detach(), xr.grad, wr.grad
+
+
+def check(x, w, dy, got):
+    ref = grads_ref(x.cpu(), w.cpu(), dy.cpu())
+    b = demo_mod.budgets("cuda", w.dtype)
+    errs = {}
+    for name, g, r in zip(("y", "dx", "dw"), got, ref):
+        errs[name] = check_budget(name, g.cpu(), r, b[name])
+    print("errors", tuple(x.shape), w.dtype, errs)
+    return errs
+
+
+@pytest.mark.parametrize("variant", ["det", "fast"])
+@pytest.mark.parametrize("H", SIZES)
+@pytest.mark.parametrize("T,wdtype", [(4096, F32), (300, BF), (1, F32)])
+def test_accuracy(variant, H, T, wdtype):
+    mek.configure(rmsnorm_variant=variant)
+    x, w, dy = inputs((T, H), wdtype, seed=T + H)
+    check(x, w, dy, run(x, w, dy))
+
+
+def test_layouts_and_zero_tokens():
+    x, w, dy = inputs((2, 700, 2048), F32, seed=1)
+    check(x, w, dy, run(x, w, dy))
+    wide = torch.randn(333, 3 * 2048 + 64, device="cuda").to(BF)
+    xs = wide[:, 64:64 + 2048]
+    before = dict(ops.COPIES)
+    _, w, dy = inputs((333, 2048), F32, seed=2)
+    got = run(xs, w, dy)
+    assert dict(ops.COPIES) == before
+    check(xs, w, dy, got)
+    x0, w0, dy0 = inputs((0, 2048), F32)
+    y, dx, dw = run(x0, w0, dy0)
+    assert y.shape == (0, 2048) and torch.equal(dw, torch.zeros_like(w0))
+
+
+def _bits(x, w, dy):
+    return [t.clone() for t in run(x, w, dy)]
+
+
+@pytest.mark.parametrize("wdtype", [F32, BF])
+def test_det_bits_repeat_side_stream_and_pool(wdtype):
+    mek.configure(rmsnorm_variant="det")
+    x, w, dy = inputs((32768, 2048), wdtype, seed=3)
+    ref = _bits(x, w, dy)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(ref, _bits(x, w, dy)))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        side = _bits(x, w, dy)
+    torch.cuda.current_stream().wait_stream(s)
+    assert all(torch.equal(a, b) for a, b in zip(ref, side))
+    mek.configure(rmsnorm_variant="det", workspace_pool_bytes=1 << 26)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(ref, _bits(x, w, dy)))
+
+
+def test_fast_close_to_det():
+    x, w, dy = inputs((32768, 5120), F32, seed=4)
+    mek.configure(rmsnorm_variant="det")
+    d = _bits(x, w, dy)
+    mek.configure(rmsnorm_variant="fast")
+    f = _bits(x, w, dy)
+    assert torch.equal(d[0], f[0]) and torch.equal(d[1], f[1])  # y, dx: same code in both variants
+    torch.testing.assert_close(d[2], f[2], rtol=1e-5, atol=1e-5)
+
+
+def test_no_host_sync_in_steady_state():
+    x, w, dy = inputs((4096, 5120), BF, seed=5)
+    for variant in ("det", "fast"):
+        mek.configure(rmsnorm_variant=variant, workspace_pool_bytes=1 << 26)
+        run(x, w, dy)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run(x, w, dy)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_compile_fullgraph_and_module():
+    m = decl.ZeroCenteredRMSNorm(2048)
+    assert m.weight.device.type == "cuda"
+    x, w, dy = inputs((512, 2048), F32, seed=6)
+    with torch.no_grad():
+        m.weight.copy_(w)
+    eager = m(x)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(eager, compiled)
+
+
+def test_demo():
+    rows = decl.OP.impl().demo("cuda")
+    for r in rows:
+        print(r)
+    assert all(r["ok"] for r in rows)
