@@ -1,0 +1,538 @@
+"""Triton kernels of the chunked Gated DeltaNet (chunk BT = 64 tokens).
+
+Per value head `hv` (key head `hv // (HV // H)`), per chunk of one sequence, with G the in-chunk cumulative sum of
+the log-decay g, h the state at the chunk start and D_ij = exp(G_i - G_j):
+
+    L  = strict_tril(beta_i (k_i . k_j) D_ij)           A = (I + L)^-1           (UT / WY representation)
+    w  = A (beta exp(G) k)                               u = A (beta v)
+    dlt = u - w h                                        ("v_new": the per-token delta of the rule)
+    o  = scale (exp(G) q) h + scale tril(q k^T * D) dlt
+    h' = exp(G_last) h + (k exp(G_last - G))^T dlt
+
+Layouts (rows are tokens of the packed sequence): q, k [T, H, K]; v [T, HV, V]; g, beta, gc [T, HV] fp32;
+A [T, HV, BT]; w [T, HV, K]; u, dlt [T, HV, V]; chunk states h [P, HV, K, V] with one slot per chunk,
+slot = cu[n] // BT + n + chunk index (P = cdiv(T, BT) + N slots bound it without a device->host sync).
+`table` [P, 2] int32 maps a slot to (sequence or -1, chunk index).
+
+No kernel transposes a `tl.dot` result: every transposed operand is loaded transposed from memory (triton 3.4 -
+3.7.0 miscompile `tl.trans` of a wgmma result fed to another dot on Hopper). No atomics: every sum has one fixed
+order, so the results repeat bit for bit.
+
+Interpreter (CPU tests): bf16 arithmetic is broken there, so elementwise math runs on fp32 values and `_dot`
+converts its (bf16-rounded) operands to fp32 under the INTERPRET flag.
+"""
+import triton
+import triton.language as tl
+
+BT = 64  # chunk length
+
+
+@triton.jit
+def _dot(a, b, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r
+
+
+@triton.jit
+def _rnd(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """x.to(DT), rounding to nearest even also in the interpreter (whose float downcast truncates)."""
+    if INTERPRET:
+        if DT == tl.bfloat16:
+            b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+            r = b.to(tl.float32, bitcast=True).to(DT)
+        else:
+            r = x.to(DT)
+    else:
+        r = x.to(DT)
+    return r
+
+
+@triton.jit
+def _dot32(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["R"])
+def l2norm_fwd_kernel(x, y, R, K: tl.constexpr, BR: tl.constexpr, INTERPRET: tl.constexpr):
+    """y = x / sqrt(sum(x^2) + 1e-6) per row of K."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    m = rows < R
+    o_k = tl.arange(0, K)
+    off = rows.to(tl.int64)[:, None] * K + o_k[None, :]
+    b = tl.load(x + off, mask=m[:, None], other=0.).to(tl.float32)
+    rstd = 1. / tl.sqrt(tl.sum(b * b, 1) + 1e-6)
+    tl.store(y + off, _rnd((b * rstd[:, None]), y.dtype.element_ty, INTERPRET), mask=m[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _prep_rows(k, g, beta, gc, rows, m, off, hk, hv, H, HV, K: tl.constexpr):
+    o_k = tl.arange(0, K)
+    b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
+    b_g = tl.load(g + rows * HV + hv, mask=m, other=0.).to(tl.float32)
+    b_gc = tl.cumsum(b_g, axis=0) + off
+    tl.store(gc + rows * HV + hv, b_gc, mask=m)
+    b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
+    return b_k, b_gc, b_b, off + tl.sum(b_g, axis=0)
+
+
+@triton.jit
+def _l_block(ka, kb, ga, gb, ba, DIAG: tl.constexpr, INTERPRET: tl.constexpr):
+    s = _dot(ka, tl.trans(kb), INTERPRET)
+    if DIAG:
+        o = tl.arange(0, 16)
+        msk = o[:, None] > o[None, :]
+        d = tl.where(msk, ga[:, None] - gb[None, :], 0.)
+        r = tl.where(msk, s * tl.exp(d) * ba[:, None], 0.)
+    else:
+        r = s * tl.exp(ga[:, None] - gb[None, :]) * ba[:, None]
+    return r
+
+
+@triton.jit
+def _inv_unit_lower(L):
+    """(I + L)^-1 for a strictly lower-triangular 16 x 16 fp32 L, by forward substitution."""
+    o = tl.arange(0, 16)
+    Ai = -L
+    for r in range(2, 16):
+        sel = o[:, None] == r
+        a = tl.sum(tl.where(sel, -L, 0.), 0)
+        a = a + tl.sum(a[:, None] * Ai, 0)
+        Ai = tl.where(sel, a[None, :], Ai)
+    return tl.where(o[:, None] == o[None, :], Ai + 1., Ai)
+
+
+@triton.jit
+def _store_a(A, rows, m, hv, HV, col: tl.constexpr, blk, BT: tl.constexpr, INTERPRET: tl.constexpr):
+    o = tl.arange(0, 16)
+    tl.store(A + rows[:, None] * (HV * BT) + hv * BT + col + o[None, :], _rnd(blk, A.dtype.element_ty, INTERPRET),
+             mask=m[:, None])
+
+
+@triton.jit(do_not_specialize=["H", "HV"])
+def fwd_prep_kernel(k, g, beta, cu, table, gc, A, H, HV, K: tl.constexpr, BT: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """Per chunk: gc = in-chunk cumsum of g; A = (I + L)^-1, in 16 x 16 blocks."""
+    p = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.load(table + 2 * p)
+    if n < 0:
+        return
+    ic = tl.load(table + 2 * p + 1).to(tl.int64)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    hk = hv // (HV // H)
+    t0 = bos + ic * BT
+    r0 = t0 + tl.arange(0, 16)
+    r1 = r0 + 16
+    r2 = r0 + 32
+    r3 = r0 + 48
+    m0 = r0 < eos
+    m1 = r1 < eos
+    m2 = r2 < eos
+    m3 = r3 < eos
+    k0, g0, b0, off = _prep_rows(k, g, beta, gc, r0, m0, 0., hk, hv, H, HV, K)
+    k1, g1, b1, off = _prep_rows(k, g, beta, gc, r1, m1, off, hk, hv, H, HV, K)
+    k2, g2, b2, off = _prep_rows(k, g, beta, gc, r2, m2, off, hk, hv, H, HV, K)
+    k3, g3, b3, off = _prep_rows(k, g, beta, gc, r3, m3, off, hk, hv, H, HV, K)
+
+    L00 = _l_block(k0, k0, g0, g0, b0, True, INTERPRET)
+    L11 = _l_block(k1, k1, g1, g1, b1, True, INTERPRET)
+    L22 = _l_block(k2, k2, g2, g2, b2, True, INTERPRET)
+    L33 = _l_block(k3, k3, g3, g3, b3, True, INTERPRET)
+    L10 = _l_block(k1, k0, g1, g0, b1, False, INTERPRET)
+    L20 = _l_block(k2, k0, g2, g0, b2, False, INTERPRET)
+    L21 = _l_block(k2, k1, g2, g1, b2, False, INTERPRET)
+    L30 = _l_block(k3, k0, g3, g0, b3, False, INTERPRET)
+    L31 = _l_block(k3, k1, g3, g1, b3, False, INTERPRET)
+    L32 = _l_block(k3, k2, g3, g2, b3, False, INTERPRET)
+
+    A00 = _inv_unit_lower(L00)
+    A11 = _inv_unit_lower(L11)
+    A22 = _inv_unit_lower(L22)
+    A33 = _inv_unit_lower(L33)
+    A10 = -_dot32(_dot32(A11, L10), A00)
+    A21 = -_dot32(_dot32(A22, L21), A11)
+    A32 = -_dot32(_dot32(A33, L32), A22)
+    A20 = -_dot32(A22, _dot32(L20, A00) + _dot32(L21, A10))
+    A31 = -_dot32(A33, _dot32(L31, A11) + _dot32(L32, A21))
+    A30 = -_dot32(A33, _dot32(L30, A00) + _dot32(L31, A10) + _dot32(L32, A20))
+
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    _store_a(A, r0, m0, hv, HV, 0, A00, BT, INTERPRET)
+    _store_a(A, r0, m0, hv, HV, 16, z, BT, INTERPRET)
+    _store_a(A, r0, m0, hv, HV, 32, z, BT, INTERPRET)
+    _store_a(A, r0, m0, hv, HV, 48, z, BT, INTERPRET)
+    _store_a(A, r1, m1, hv, HV, 0, A10, BT, INTERPRET)
+    _store_a(A, r1, m1, hv, HV, 16, A11, BT, INTERPRET)
+    _store_a(A, r1, m1, hv, HV, 32, z, BT, INTERPRET)
+    _store_a(A, r1, m1, hv, HV, 48, z, BT, INTERPRET)
+    _store_a(A, r2, m2, hv, HV, 0, A20, BT, INTERPRET)
+    _store_a(A, r2, m2, hv, HV, 16, A21, BT, INTERPRET)
+    _store_a(A, r2, m2, hv, HV, 32, A22, BT, INTERPRET)
+    _store_a(A, r2, m2, hv, HV, 48, z, BT, INTERPRET)
+    _store_a(A, r3, m3, hv, HV, 0, A30, BT, INTERPRET)
+    _store_a(A, r3, m3, hv, HV, 16, A31, BT, INTERPRET)
+    _store_a(A, r3, m3, hv, HV, 32, A32, BT, INTERPRET)
+    _store_a(A, r3, m3, hv, HV, 48, A33, BT, INTERPRET)
+
+
+@triton.jit(do_not_specialize=["H", "HV"])
+def fwd_wu_kernel(k, v, beta, gc, A, cu, table, w, u, H, HV, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, INTERPRET: tl.constexpr):
+    """w = A (beta exp(G) k), u = A (beta v) per chunk."""
+    p = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.load(table + 2 * p)
+    if n < 0:
+        return
+    ic = tl.load(table + 2 * p + 1).to(tl.int64)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    hk = hv // (HV // H)
+    DT = k.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    rows = bos + ic * BT + o_t
+    m = rows < eos
+    b_A = tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.)
+    b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
+    b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
+    b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
+    b_x = _rnd((b_k * (b_b * tl.exp(b_gc))[:, None]), DT, INTERPRET)
+    b_w = _dot(b_A, b_x, INTERPRET)
+    tl.store(w + rows[:, None] * (HV * K) + hv * K + o_k[None, :], _rnd(b_w, DT, INTERPRET), mask=m[:, None])
+    b_v = tl.load(v + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
+    b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
+    b_u = _dot(b_A, b_y, INTERPRET)
+    tl.store(u + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_u, DT, INTERPRET), mask=m[:, None])
+
+
+@triton.jit(do_not_specialize=["H", "HV"])
+def fwd_h_kernel(k, w, u, gc, cu, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                 BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The inter-chunk state recurrence of one sequence and value head (a BV-wide slice of V)."""
+    iv = tl.program_id(0)
+    pid = tl.program_id(1)
+    n = pid // HV
+    hv = pid % HV
+    hk = hv // (HV // H)
+    DT = k.dtype.element_ty
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    nt = tl.cdiv(eos - bos, BT)
+    slot0 = bos // BT + n
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = iv * BV + tl.arange(0, BV)
+    st_off = (n.to(tl.int64) * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    if USE_H0:
+        b_h = tl.load(h0 + st_off).to(tl.float32)
+    else:
+        b_h = tl.zeros([K, BV], dtype=tl.float32)
+    for ic in range(0, nt):
+        t0 = bos + ic * BT
+        rows = t0 + o_t
+        m = rows < eos
+        slot = slot0 + ic
+        tl.store(h + (slot * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :], _rnd(b_h, DT, INTERPRET))
+        b_w = tl.load(w + rows[:, None] * (HV * K) + hv * K + o_k[None, :], mask=m[:, None], other=0.)
+        b_u = tl.load(u + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
+        b_vn = b_u.to(tl.float32) - _dot(b_w, _rnd(b_h, DT, INTERPRET), INTERPRET)
+        b_vn = _rnd(b_vn, DT, INTERPRET)
+        tl.store(vn + rows[:, None] * (HV * V) + hv * V + o_v[None, :], b_vn, mask=m[:, None])
+        last = tl.minimum(t0 + BT, eos) - 1
+        g_last = tl.load(gc + last * HV + hv)
+        b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
+        fac = tl.where(m, tl.exp(g_last - b_gc), 0.)
+        b_kt = tl.load(k + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
+        b_kt = _rnd((b_kt.to(tl.float32) * fac[None, :]), DT, INTERPRET)
+        b_h = b_h * tl.exp(g_last) + _dot(b_kt, b_vn, INTERPRET)
+    if STORE_HT:
+        tl.store(ht + st_off, b_h)
+
+
+@triton.jit(do_not_specialize=["H", "HV"])
+def fwd_o_kernel(q, k, vn, gc, h, cu, table, o, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr, INTERPRET: tl.constexpr):
+    """o = scale (exp(G) q) h + scale tril(q k^T * D) dlt per chunk."""
+    p = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.load(table + 2 * p)
+    if n < 0:
+        return
+    ic = tl.load(table + 2 * p + 1).to(tl.int64)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    hk = hv // (HV // H)
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    rows = bos + ic * BT + o_t
+    m = rows < eos
+    b_q = tl.load(q + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
+    b_kt = tl.load(k + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
+    b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
+    b_h = tl.load(h + (p.to(tl.int64) * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :])
+    b_o = _dot(b_q, b_h, INTERPRET) * (tl.exp(b_gc) * scale)[:, None]
+    b_s = _dot(b_q, b_kt, INTERPRET)
+    msk = o_t[:, None] >= o_t[None, :]
+    b_s = tl.where(msk, b_s * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
+    b_vn = tl.load(vn + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
+    b_o += _dot(_rnd(b_s, DT, INTERPRET), b_vn, INTERPRET)
+    tl.store(o + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_o, o.dtype.element_ty, INTERPRET), mask=m[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["H", "HV"])
+def bwd_dvl_kernel(q, k, do, gc, cu, table, dvl, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The in-chunk part of d(dlt): scale tril(q k^T * D)^T do (computed transposed, from k q^T)."""
+    p = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.load(table + 2 * p)
+    if n < 0:
+        return
+    ic = tl.load(table + 2 * p + 1).to(tl.int64)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    hk = hv // (HV // H)
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    rows = bos + ic * BT + o_t
+    m = rows < eos
+    b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
+    b_qt = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
+    b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
+    b_st = _dot(b_k, b_qt, INTERPRET)  # [j, i]
+    msk = o_t[None, :] >= o_t[:, None]
+    b_st = tl.where(msk, b_st * tl.exp(tl.where(msk, b_gc[None, :] - b_gc[:, None], 0.)), 0.) * scale
+    b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
+    b_dv = _dot(_rnd(b_st, DT, INTERPRET), b_do, INTERPRET)
+    tl.store(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_dv, dvl.dtype.element_ty, INTERPRET), mask=m[:, None])
+
+
+@triton.jit(do_not_specialize=["H", "HV"])
+def bwd_dh_kernel(q, k, w, do, dvl, gc, cu, dht, dh0, dhe, dd, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """Reverse state recurrence: dhe[slot] = d(state at the chunk end); dd = full d(dlt); dh0."""
+    iv = tl.program_id(0)
+    pid = tl.program_id(1)
+    n = pid // HV
+    hv = pid % HV
+    hk = hv // (HV // H)
+    DT = q.dtype.element_ty
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    nt = tl.cdiv(eos - bos, BT)
+    slot0 = bos // BT + n
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = iv * BV + tl.arange(0, BV)
+    st_off = (n.to(tl.int64) * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    if USE_DHT:
+        b_dh = tl.load(dht + st_off).to(tl.float32)
+    else:
+        b_dh = tl.zeros([K, BV], dtype=tl.float32)
+    for j in range(0, nt):
+        ic = nt - 1 - j
+        t0 = bos + ic * BT
+        rows = t0 + o_t
+        m = rows < eos
+        slot = slot0 + ic
+        tl.store(dhe + (slot * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :], _rnd(b_dh, DT, INTERPRET))
+        last = tl.minimum(t0 + BT, eos) - 1
+        g_last = tl.load(gc + last * HV + hv)
+        b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
+        fac = tl.where(m, tl.exp(g_last - b_gc), 0.)
+        b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
+        b_kd = _rnd((b_k.to(tl.float32) * fac[:, None]), DT, INTERPRET)
+        b_dvl = tl.load(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
+        b_dd = b_dvl.to(tl.float32) + _dot(b_kd, _rnd(b_dh, DT, INTERPRET), INTERPRET)
+        b_dd = _rnd(b_dd, DT, INTERPRET)
+        tl.store(dd + rows[:, None] * (HV * V) + hv * V + o_v[None, :], b_dd, mask=m[:, None])
+        b_qt = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
+        b_qt = _rnd((b_qt.to(tl.float32) * tl.where(m, tl.exp(b_gc) * scale, 0.)[None, :]), DT, INTERPRET)
+        b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
+        b_wt = tl.load(w + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)
+        b_dh = b_dh * tl.exp(g_last) + _dot(b_qt, b_do, INTERPRET) - _dot(b_wt, b_dd, INTERPRET)
+    if STORE_DH0:
+        tl.store(dh0 + st_off, b_dh)
+
+
+@triton.jit(do_not_specialize=["H", "HV"])
+def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, scale, H, HV, K: tl.constexpr,
+                    V: tl.constexpr, BT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per chunk: dq, dk (through o and the state update), dw = -dd h^T and the partial dG (per value head)."""
+    p = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.load(table + 2 * p)
+    if n < 0:
+        return
+    ic = tl.load(table + 2 * p + 1).to(tl.int64)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    hk = hv // (HV // H)
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    t0 = bos + ic * BT
+    rows = t0 + o_t
+    m = rows < eos
+    qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
+    v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
+    vt_off = rows[None, :] * (HV * V) + hv * V + o_v[:, None]
+    st_t = (p.to(tl.int64) * HV + hv) * (K * V) + o_k[None, :] * V + o_v[:, None]  # [V, K] view of a state
+    b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
+    b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
+    b_ht = tl.load(h + st_t)
+    b_dhet = tl.load(dhe + st_t)
+    b_do = tl.load(do + v_off, mask=m[:, None], other=0.)
+    b_dot = tl.load(do + vt_off, mask=m[None, :], other=0.)
+    b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
+    b_vnt = tl.load(vn + vt_off, mask=m[None, :], other=0.)
+    b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
+    b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
+    last = tl.minimum(t0 + BT, eos) - 1
+    g_last = tl.load(gc + last * HV + hv)
+
+    b_dq = _dot(b_do, b_ht, INTERPRET) * (tl.exp(b_gc) * scale)[:, None]
+    msk = o_t[:, None] >= o_t[None, :]
+    b_dp = _dot(b_do, b_vnt, INTERPRET)
+    b_dp = tl.where(msk, b_dp * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
+    b_dq += _dot(_rnd(b_dp, DT, INTERPRET), b_k, INTERPRET)
+    mskt = o_t[None, :] >= o_t[:, None]
+    b_dpt = _dot(b_vn, b_dot, INTERPRET)
+    b_dpt = tl.where(mskt, b_dpt * tl.exp(tl.where(mskt, b_gc[None, :] - b_gc[:, None], 0.)), 0.) * scale
+    b_dk = _dot(_rnd(b_dpt, DT, INTERPRET), b_q, INTERPRET)
+    fac = tl.where(m, tl.exp(g_last - b_gc), 0.)
+    b_dks = _dot(b_vn, b_dhet, INTERPRET) * fac[:, None]
+    b_dw = -_dot(b_dd, b_ht, INTERPRET)
+
+    b_qf = b_q.to(tl.float32)
+    b_kf = b_k.to(tl.float32)
+    ks = tl.sum(b_dks * b_kf, 1)
+    b_dg = tl.sum(b_dq * b_qf, 1) - tl.sum(b_dk * b_kf, 1) - ks
+    extra = tl.exp(g_last) * tl.sum(tl.sum(b_ht.to(tl.float32) * b_dhet.to(tl.float32), 1), 0) + tl.sum(ks, 0)
+    b_dg += tl.where(o_t == (last - t0), extra, 0.)
+
+    out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
+    tl.store(dq + out_k, b_dq, mask=m[:, None])
+    tl.store(dk + out_k, b_dk + b_dks, mask=m[:, None])
+    tl.store(dw + out_k, _rnd(b_dw, dw.dtype.element_ty, INTERPRET), mask=m[:, None])
+    tl.store(dgp + rows * HV + hv, b_dg, mask=m)
+
+
+@triton.jit(do_not_specialize=["H", "HV"])
+def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dgp, dv, dbeta, dg, H, HV, K: tl.constexpr,
+                  V: tl.constexpr, BT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Backward through w = A X, u = A Y and A = (I + L)^-1; finishes dk, dv, dbeta and dg (reverse cumsum)."""
+    p = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.load(table + 2 * p)
+    if n < 0:
+        return
+    ic = tl.load(table + 2 * p + 1).to(tl.int64)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    hk = hv // (HV // H)
+    DT = k.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    rows = bos + ic * BT + o_t
+    m = rows < eos
+    k_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
+    kt_off = rows[None, :] * (H * K) + hk * K + o_k[:, None]
+    v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
+    vt_off = rows[None, :] * (HV * V) + hv * V + o_v[:, None]
+    w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
+    wt_off = rows[None, :] * (HV * K) + hv * K + o_k[:, None]
+
+    b_kd = tl.load(k + k_off, mask=m[:, None], other=0.)
+    b_k = b_kd.to(tl.float32)
+    b_ktd = tl.load(k + kt_off, mask=m[None, :], other=0.)
+    b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
+    b_vt = tl.load(v + vt_off, mask=m[None, :], other=0.).to(tl.float32)
+    b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
+    b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
+    eg = tl.exp(b_gc)
+    bx = b_b * eg
+    b_xf = b_k * bx[:, None]
+    b_x = _rnd(b_xf, DT, INTERPRET)
+    b_xt = _rnd((b_ktd.to(tl.float32) * bx[None, :]), DT, INTERPRET)
+    b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
+    b_yt = _rnd((b_vt * b_b[None, :]), DT, INTERPRET)
+    b_a = tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.)
+    b_at = tl.load(A + rows[None, :] * (HV * BT) + hv * BT + o_t[:, None], mask=m[None, :], other=0.)
+    b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
+    b_dwt = tl.load(dw + wt_off, mask=m[None, :], other=0.)
+    b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
+    b_ddt = tl.load(dd + vt_off, mask=m[None, :], other=0.)
+
+    b_dx = _dot(b_at, b_dw, INTERPRET)
+    b_dy = _dot(b_at, b_dd, INTERPRET)
+    tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])
+    b_db = tl.sum(b_dx * b_k * eg[:, None], 1) + tl.sum(b_dy * b_v, 1)
+    b_dk = b_dx * bx[:, None]
+    b_dg = tl.sum(b_dx * b_xf, 1)
+
+    b_da = _dot(b_dw, b_xt, INTERPRET) + _dot(b_dd, b_yt, INTERPRET)  # dA  [i, j]
+    b_dat = _dot(b_x, b_dwt, INTERPRET) + _dot(b_y, b_ddt, INTERPRET)  # dA^T [j, i]
+    b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)  # -A^T dA A^T
+    b_dlt = -_dot(_rnd(_dot(b_a, _rnd(b_dat, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_a, INTERPRET)  # dL^T
+    msk = o_t[:, None] > o_t[None, :]
+    b_dec = tl.where(msk, tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
+    mskt = o_t[None, :] > o_t[:, None]
+    b_dect = tl.where(mskt, tl.exp(tl.where(mskt, b_gc[None, :] - b_gc[:, None], 0.)), 0.)
+    b_kk = _dot(b_kd, b_ktd, INTERPRET)
+    b_dld = b_dl * b_dec
+    b_db += tl.sum(b_dld * b_kk, 1)
+    b_e = b_dld * b_kk * b_b[:, None]
+    b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
+    b_mm = _rnd((b_dld * b_b[:, None]), DT, INTERPRET)
+    b_mt = _rnd((b_dlt * b_dect * b_b[None, :]), DT, INTERPRET)
+    b_dk += _dot(b_mm, b_kd, INTERPRET) + _dot(b_mt, b_kd, INTERPRET)
+
+    out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
+    b_dk += tl.load(dk + out_k, mask=m[:, None], other=0.)
+    tl.store(dk + out_k, b_dk, mask=m[:, None])
+    b_dg += tl.load(dgp + rows * HV + hv, mask=m, other=0.)
+    b_dg = tl.where(m, b_dg, 0.)
+    b_dg = tl.sum(b_dg, 0) - tl.cumsum(b_dg, axis=0) + b_dg
+    tl.store(dg + rows * HV + hv, b_dg, mask=m)
+    tl.store(dbeta + rows * HV + hv, b_db, mask=m)
+
+
+@triton.jit(do_not_specialize=["R", "H", "HV"])
+def bwd_final_kernel(x, dxv, dx, R, H, HV, K: tl.constexpr, BR: tl.constexpr, L2: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """dx[t, h] = sum over the value heads of key head h (fixed order), then back through the L2 norm."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    hh = tl.program_id(1)
+    m = rows < R
+    o_k = tl.arange(0, K)
+    grp = HV // H
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BR, K], dtype=tl.float32)
+    for r in range(0, grp):
+        acc += tl.load(dxv + rows64[:, None] * (HV * K) + (hh * grp + r) * K + o_k[None, :], mask=m[:, None],
+                       other=0.)
+    x_off = rows64[:, None] * (H * K) + hh * K + o_k[None, :]
+    if L2:
+        b_x = tl.load(x + x_off, mask=m[:, None], other=0.).to(tl.float32)
+        rstd = 1. / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)
+        b_y = b_x * rstd[:, None]
+        acc = (acc - b_y * tl.sum(b_y * acc, 1)[:, None]) * rstd[:, None]
+    tl.store(dx + x_off, _rnd(acc, dx.dtype.element_ty, INTERPRET), mask=m[:, None])

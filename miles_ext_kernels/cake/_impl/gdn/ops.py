@@ -1,0 +1,398 @@
+"""Chunked Gated DeltaNet: operand checks, launchers, torch.library custom ops, autograd.
+
+Forward: [L2 norm of q, k] -> prep (gc = in-chunk cumsum of g, A = (I + L)^-1) -> w, u -> state recurrence
+(h per chunk, dlt) -> o. Backward: [recompute w, u, h, dlt] -> in-chunk d(dlt) -> reverse state recurrence (d of
+every chunk-end state, full d(dlt), dh0) -> dq, dk, dw, partial dg -> WY backward (dk, dv, dbeta, dg) -> sum dq,
+dk over the value heads of each key head (fixed order) and back through the L2 norm.
+
+Both variants launch the same kernels: no kernel uses atomics or a split reduction, so `fast` is `det`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from miles_ext_kernels.cake._runtime import build, config, workspace
+from miles_ext_kernels.cake._runtime.checks import check_host_int, check_same_device, check_tensor  # noqa: F401
+
+from . import kernels as kn
+
+OP = "gdn"
+BT = kn.BT
+HEAD_DIMS = (16, 32, 64, 128)
+IN_DTYPES = (torch.bfloat16,)
+GATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# fixed launch configs (no autotuning: a new process picks the same config, hence the same bits)
+_CHUNK_WARPS = 4  # prep, wu, o, dvl
+_BIG_WARPS = 8  # dqkw, wy
+_STATE_WARPS = 4  # fwd_h, bwd_dh
+_STAGES = 2
+_ROWS = 16  # l2norm / final rows per program
+
+
+def _bv(V: int) -> int:
+    return min(V, 64)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checks
+def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    check_tensor("q", q, dtype=IN_DTYPES, ndim=4)
+    check_tensor("k", k, dtype=IN_DTYPES, ndim=4)
+    check_tensor("v", v, dtype=IN_DTYPES, ndim=4)
+    check_tensor("g", g, dtype=GATE_DTYPES, ndim=3)
+    check_tensor("beta", beta, dtype=GATE_DTYPES, ndim=3)
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, T, H, K = q.shape
+    if v.shape[0] != B or v.shape[1] != T:
+        raise ValueError(f"v must be [B, T, HV, V] = [{B}, {T}, HV, V], got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H < 1 or HV < 1 or HV % H != 0:
+        raise ValueError(f"v's head count HV={HV} must be a positive multiple of q/k's head count H={H}")
+    if K not in HEAD_DIMS:
+        raise ValueError(f"q/k head dim K={K} is not served (served: {HEAD_DIMS})")
+    if V not in HEAD_DIMS:
+        raise ValueError(f"v head dim V={V} is not served (served: {HEAD_DIMS})")
+    if tuple(g.shape) != (B, T, HV):
+        raise ValueError(f"g must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, T, HV):
+        raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
+    if T < 1 or B < 1:
+        raise ValueError(f"q must hold at least one token, got shape {tuple(q.shape)}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel",
+                                                                     use_qk_l2norm_in_kernel)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, dtype=(torch.int32, torch.int64), ndim=1)
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1 (packed documents), got B={B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must hold at least 2 offsets ([0, ..., T])")
+        if cu_seqlens.device.type == "cpu" and q.device.type == "cpu" and not torch.compiler.is_compiling():
+            cu = cu_seqlens.tolist()  # host tensor next to host data (interpreter): cheap to check fully
+            if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+                raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu}")
+        named.append(("cu_seqlens", cu_seqlens))
+        N = cu_seqlens.numel() - 1
+    else:
+        N = B
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, dtype=GATE_DTYPES, ndim=4)
+        if tuple(initial_state.shape) != (N, HV, K, V):
+            raise ValueError(f"initial_state must be [N, HV, K, V] = {(N, HV, K, V)}, got "
+                             f"{tuple(initial_state.shape)}")
+        named.append(("initial_state", initial_state))
+    check_same_device(named)
+    build.check_device(q, "q")
+    return B, T, H, K, HV, V, N
+
+
+def _c(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (kernels are specialized on aligned pointers)."""
+    x = x.contiguous()
+    if x.numel() and x.data_ptr() % 16:
+        x = x.clone()
+    return x
+
+
+def _ws(role: str, shape, dtype, device) -> torch.Tensor:
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 16)
+    return workspace.take((OP, role), nbytes, device=device)[: numel * torch.empty((), dtype=dtype).element_size()] \
+        .view(dtype).view(shape)
+
+
+def _empty0(device, dtype=torch.float32):
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def _chunk_table(cu: torch.Tensor, N: int, P: int) -> torch.Tensor:
+    """[P, 2] int32: slot -> (sequence, chunk index), sequence -1 for unused slots. Device ops only (no sync)."""
+    cu = cu.to(torch.int64)
+    ar = torch.arange(N, device=cu.device, dtype=torch.int64)
+    start = torch.div(cu[:-1], BT, rounding_mode="floor") + ar
+    nch = torch.div(cu[1:] - cu[:-1] + BT - 1, BT, rounding_mode="floor")
+    ids = torch.arange(P, device=cu.device, dtype=torch.int64)
+    n = (torch.searchsorted(start, ids, right=True) - 1).clamp_(min=0)
+    ic = ids - start[n]
+    n = torch.where(ic < nch[n], n, torch.full_like(n, -1))
+    return torch.stack([n, ic], 1).to(torch.int32).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launchers (no autograd)
+def _fwd_state(kk, w, u, gc, cu, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_prefix):
+    """Run the state recurrence; returns (h, vn, ht)."""
+    T = kk.shape[0] * kk.shape[1]
+    h = (_ws(ws_prefix + "h", (P, HV, K, V), dt, device) if ws_prefix
+         else torch.empty(P, HV, K, V, dtype=dt, device=device))
+    vn = (_ws(ws_prefix + "vn", (T, HV, V), dt, device) if ws_prefix
+          else torch.empty(T, HV, V, dtype=dt, device=device))
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_ht else _empty0(device)
+    BV = _bv(V)
+    kn.fwd_h_kernel[(V // BV, N * HV)](
+        kk, w, u, gc, cu, h0 if h0 is not None else gc, h, vn, ht if want_ht else gc, H, HV,
+        K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=want_ht, INTERPRET=build.INTERPRET,
+        num_warps=_STATE_WARPS, num_stages=_STAGES)
+    return h, vn, ht
+
+
+def _wu(kk, v, beta, gc, A, cu, table, H, HV, K, V, P, device, dt, ws: bool):
+    T = kk.shape[0] * kk.shape[1]
+    w = _ws("w", (T, HV, K), dt, device) if ws else torch.empty(T, HV, K, dtype=dt, device=device)
+    u = _ws("u", (T, HV, V), dt, device)
+    kn.fwd_wu_kernel[(P, HV)](kk, v, beta, gc, A, cu, table, w, u, H, HV, K=K, V=V, BT=BT,
+                              INTERPRET=build.INTERPRET, num_warps=_CHUNK_WARPS, num_stages=_STAGES)
+    return w, u
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    K = x.shape[-1]
+    y = torch.empty_like(x)
+    R = x.numel() // K
+    kn.l2norm_fwd_kernel[(triton_cdiv(R, _ROWS),)](x, y, R, K=K, BR=_ROWS, INTERPRET=build.INTERPRET, num_warps=4)
+    return y
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    device, dt = q.device, q.dtype
+    Tt = B * T
+    if cu_seqlens is None:
+        N = B
+        cu = torch.arange(B + 1, dtype=torch.int32, device=device) * T
+    else:
+        N = cu_seqlens.numel() - 1
+        cu = _c(cu_seqlens.to(torch.int32))
+    P = triton_cdiv(Tt, BT) + N
+    table = _chunk_table(cu, N, P)
+    q, k, v = _c(q), _c(k), _c(v)
+    gf = _c(g.to(torch.float32))
+    bf = _c(beta.to(torch.float32))
+    h0 = _c(initial_state.to(torch.float32)) if initial_state is not None else None
+    if use_l2:
+        qn, kk = _l2norm(q), _l2norm(k)
+    else:
+        qn, kk = q, k
+    gc = torch.empty(Tt, HV, dtype=torch.float32, device=device)
+    A = torch.empty(Tt, HV, BT, dtype=dt, device=device)
+    kn.fwd_prep_kernel[(P, HV)](kk, gf, bf, cu, table, gc, A, H, HV, K=K, BT=BT, INTERPRET=build.INTERPRET,
+                                num_warps=_CHUNK_WARPS, num_stages=_STAGES)
+    w, u = _wu(kk, v, bf, gc, A, cu, table, H, HV, K, V, P, device, dt, ws=not keep_state)
+    h, vn, ht = _fwd_state(kk, w, u, gc, cu, h0, N, HV, H, K, V, P, output_final_state, device, dt,
+                           ws_prefix=None if keep_state else "f_")
+    o = torch.empty(B, T, HV, V, dtype=dt, device=device)
+    kn.fwd_o_kernel[(P, HV)](qn, kk, vn, gc, h, cu, table, o, float(scale), H, HV, K=K, V=V, BT=BT,
+                             INTERPRET=build.INTERPRET, num_warps=_CHUNK_WARPS, num_stages=_STAGES)
+    if not keep_state:
+        w, h, vn = _empty0(device, dt), _empty0(device, dt), _empty0(device, dt)
+    if not use_l2:
+        qn, kk = _empty0(device, dt), _empty0(device, dt)
+    return o, ht, qn, kk, gc, A, w, h, vn, cu, table
+
+
+def gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale, use_l2,
+                 keep_state):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    device, dt = q.device, q.dtype
+    Tt = B * T
+    N = cu.numel() - 1
+    P = table.shape[0]
+    q, k, v = _c(q), _c(k), _c(v)
+    if not use_l2:
+        qn, kk = q, k
+    bf = _c(beta.to(torch.float32))
+    do = _c(do.to(dt))
+    if not keep_state:
+        h0 = _c(initial_state.to(torch.float32)) if initial_state is not None else None
+        w, _u = _wu(kk, v, bf, gc, A, cu, table, H, HV, K, V, P, device, dt, ws=True)
+        h, vn, _ = _fwd_state(kk, w, _u, gc, cu, h0, N, HV, H, K, V, P, False, device, dt, ws_prefix="b_")
+    grid = (P, HV)
+    dvl = _ws("dvl", (Tt, HV, V), dt, device)
+    kn.bwd_dvl_kernel[grid](qn, kk, do, gc, cu, table, dvl, float(scale), H, HV, K=K, V=V, BT=BT,
+                            INTERPRET=build.INTERPRET, num_warps=_CHUNK_WARPS, num_stages=_STAGES)
+    dhe = _ws("dhe", (P, HV, K, V), dt, device)
+    dd = _ws("dd", (Tt, HV, V), dt, device)
+    want_dh0 = initial_state is not None
+    dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_dh0 else None
+    dhtf = _c(dht.to(torch.float32)) if dht is not None else None
+    BV = _bv(V)
+    kn.bwd_dh_kernel[(V // BV, N * HV)](
+        qn, kk, w, do, dvl, gc, cu, dhtf if dhtf is not None else gc, dh0 if want_dh0 else gc, dhe, dd,
+        float(scale), H, HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhtf is not None, STORE_DH0=want_dh0,
+        INTERPRET=build.INTERPRET, num_warps=_STATE_WARPS, num_stages=_STAGES)
+    dqv = _ws("dqv", (Tt, HV, K), torch.float32, device)
+    dkv = _ws("dkv", (Tt, HV, K), torch.float32, device)
+    dw = _ws("dw", (Tt, HV, K), dt, device)
+    dgp = _ws("dgp", (Tt, HV), torch.float32, device)
+    kn.bwd_dqkw_kernel[grid](qn, kk, vn, do, dd, gc, h, dhe, cu, table, dqv, dkv, dw, dgp, float(scale), H, HV,
+                             K=K, V=V, BT=BT, INTERPRET=build.INTERPRET, num_warps=_BIG_WARPS, num_stages=_STAGES)
+    dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=device)
+    dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
+    dgf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
+    kn.bwd_wy_kernel[grid](kk, v, bf, gc, A, dw, dd, cu, table, dkv, dgp, dv, dbf, dgf, H, HV, K=K, V=V, BT=BT,
+                           INTERPRET=build.INTERPRET, num_warps=_BIG_WARPS, num_stages=_STAGES)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    fgrid = (triton_cdiv(Tt, _ROWS), H)
+    kn.bwd_final_kernel[fgrid](q, dqv, dq, Tt, H, HV, K=K, BR=_ROWS, L2=use_l2, INTERPRET=build.INTERPRET,
+                               num_warps=4)
+    kn.bwd_final_kernel[fgrid](k, dkv, dk, Tt, H, HV, K=K, BR=_ROWS, L2=use_l2, INTERPRET=build.INTERPRET,
+                               num_warps=4)
+    dg = dgf.view(B, T, HV).to(g.dtype)
+    db = dbf.view(B, T, HV).to(beta.dtype)
+    if dh0 is not None:
+        dh0 = dh0.to(initial_state.dtype)
+    else:
+        dh0 = _empty0(device)
+    return dq, dk, dv, dg, db, dh0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.library custom ops (torch.compile(fullgraph=True) traces them through their fake implementations)
+@torch.library.custom_op("miles_ext_kernels::gdn_fwd", mutates_args=())
+def _gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
+                output_final_state: bool, use_l2: bool, keep_state: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    outs = gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state)
+    # outputs must not alias inputs (cu may be the caller's int32 cu_seqlens)
+    return tuple(x.clone() if (x is cu_seqlens) else x for x in outs)
+
+
+@_gdn_fwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    Tt = B * T
+    P = triton_cdiv(Tt, BT) + N
+    e = q.new_empty
+    f32 = torch.float32
+    o = e((B, T, HV, V))
+    ht = e((N, HV, K, V), dtype=f32) if output_final_state else e((0,), dtype=f32)
+    qn = e((B, T, H, K)) if use_l2 else e((0,))
+    kk = e((B, T, H, K)) if use_l2 else e((0,))
+    gc = e((Tt, HV), dtype=f32)
+    A = e((Tt, HV, BT))
+    w = e((Tt, HV, K)) if keep_state else e((0,))
+    h = e((P, HV, K, V)) if keep_state else e((0,))
+    vn = e((Tt, HV, V)) if keep_state else e((0,))
+    cu = e((N + 1,), dtype=torch.int32)
+    table = e((P, 2), dtype=torch.int32)
+    return o, ht, qn, kk, gc, A, w, h, vn, cu, table
+
+
+@torch.library.custom_op("miles_ext_kernels::gdn_bwd", mutates_args=())
+def _gdn_bwd_op(do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                qn: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                initial_state: Optional[torch.Tensor], gc: torch.Tensor, A: torch.Tensor, w: torch.Tensor,
+                h: torch.Tensor, vn: torch.Tensor, cu: torch.Tensor, table: torch.Tensor, scale: float, use_l2: bool,
+                keep_state: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
+    return gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale, use_l2,
+                        keep_state)
+
+
+@_gdn_bwd_op.register_fake
+def _(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale, use_l2, keep_state):
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty((0,), dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)
+
+
+class _GatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state,
+                variant):
+        o, ht, qn, kk, gc, A, w, h, vn, cu, table = torch.ops.miles_ext_kernels.gdn_fwd(
+            q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state)
+        ctx.save_for_backward(q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table)
+        ctx.scale, ctx.use_l2, ctx.keep_state, ctx.variant = scale, use_l2, keep_state, variant
+        ctx.output_final_state = output_final_state
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table = ctx.saved_tensors
+        if not ctx.output_final_state:
+            dht = None
+        if do is None:
+            do = torch.zeros(q.shape[0], q.shape[1], v.shape[2], v.shape[3], dtype=q.dtype, device=q.device)
+        dq, dk, dv, dg, db, dh0 = torch.ops.miles_ext_kernels.gdn_bwd(
+            do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, ctx.scale, ctx.use_l2,
+            ctx.keep_state)
+        return dq, dk, dv, dg, db, (dh0 if initial_state is not None else None), None, None, None, None, None, None
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    variant = config.variant(OP)
+    keep_state = not config.option(OP, "recompute_state")
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    o, ht = _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                                  use_qk_l2norm_in_kernel, keep_state, variant)
+    return o, (ht if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def routes(head_k_dim: int = 128, head_v_dim: int = 128):
+    """Every kernel specialization a call with these head dims can launch (bf16 q/k/v; g, beta cast to fp32)."""
+    K, V = head_k_dim, head_v_dim
+    if K not in HEAD_DIMS or V not in HEAD_DIMS:
+        raise ValueError(f"head dims must be in {HEAD_DIMS}, got head_k_dim={K}, head_v_dim={V}")
+    bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
+    I = build.INTERPRET  # noqa: E741
+    cw = dict(num_warps=_CHUNK_WARPS, num_stages=_STAGES)
+    bw = dict(num_warps=_BIG_WARPS, num_stages=_STAGES)
+    sw = dict(num_warps=_STATE_WARPS, num_stages=_STAGES)
+    BV = _bv(V)
+    R = build.Route
+    out = []
+    for X, name in ((K, "k"),):
+        out.append(R(kn.l2norm_fwd_kernel, (bf, bf, 1), (1,), dict(K=X, BR=_ROWS, INTERPRET=I, num_warps=4), f"l2norm_fwd[{name}]"))
+    out.append(R(kn.fwd_prep_kernel, (bf, f32, f32, i32, i32, f32, bf, 1, 1), (1, 1),
+                 dict(K=K, BT=BT, INTERPRET=I, **cw), "fwd_prep"))
+    out.append(R(kn.fwd_wu_kernel, (bf, bf, f32, f32, bf, i32, i32, bf, bf, 1, 1), (1, 1),
+                 dict(K=K, V=V, BT=BT, INTERPRET=I, **cw), "fwd_wu"))
+    for use_h0 in (False, True):
+        for store_ht in (False, True):
+            out.append(R(kn.fwd_h_kernel, (bf, bf, bf, f32, i32, f32, bf, bf, f32, 1, 1), (1, 1),
+                         dict(K=K, V=V, BT=BT, BV=BV, USE_H0=use_h0, STORE_HT=store_ht, INTERPRET=I, **sw),
+                         f"fwd_h[h0={int(use_h0)},ht={int(store_ht)}]"))
+    out.append(R(kn.fwd_o_kernel, (bf, bf, bf, f32, bf, i32, i32, bf, 1.0, 1, 1), (1, 1),
+                 dict(K=K, V=V, BT=BT, INTERPRET=I, **cw), "fwd_o"))
+    out.append(R(kn.bwd_dvl_kernel, (bf, bf, bf, f32, i32, i32, bf, 1.0, 1, 1), (1, 1),
+                 dict(K=K, V=V, BT=BT, INTERPRET=I, **cw), "bwd_dvl"))
+    for use_dht in (False, True):
+        for dh0 in (False, True):
+            out.append(R(kn.bwd_dh_kernel, (bf, bf, bf, bf, bf, f32, i32, f32, f32, bf, bf, 1.0, 1, 1), (1, 1),
+                         dict(K=K, V=V, BT=BT, BV=BV, USE_DHT=use_dht, STORE_DH0=dh0, INTERPRET=I, **sw),
+                         f"bwd_dh[dht={int(use_dht)},dh0={int(dh0)}]"))
+    out.append(R(kn.bwd_dqkw_kernel, (bf, bf, bf, bf, bf, f32, bf, bf, i32, i32, f32, f32, bf, f32, 1.0, 1, 1),
+                 (1, 1), dict(K=K, V=V, BT=BT, INTERPRET=I, **bw), "bwd_dqkw"))
+    out.append(R(kn.bwd_wy_kernel, (bf, bf, f32, f32, bf, bf, bf, i32, i32, f32, f32, bf, f32, f32, 1, 1), (1, 1),
+                 dict(K=K, V=V, BT=BT, INTERPRET=I, **bw), "bwd_wy"))
+    for l2 in (False, True):
+        out.append(R(kn.bwd_final_kernel, (bf, f32, bf, 1, 1, 1), (1, 1), dict(K=K, BR=_ROWS, L2=l2, INTERPRET=I, num_warps=4),
+                     f"bwd_final[l2={int(l2)}]"))
+    return out

@@ -1,0 +1,103 @@
+"""gdn declaration, check_supported and command-line flags: torch-free."""
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+import miles_ext_kernels as mek
+from miles_ext_kernels.cake import gdn
+from miles_ext_kernels.cake._runtime import registry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    try:
+        registry.op_spec("gdn")
+        ctx = None
+    except KeyError:
+        ctx = registry.registered(gdn.OP)
+        ctx.__enter__()
+    yield
+    mek.configure()
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    mek.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    mek.validate_args(args)
+    return args
+
+
+def test_declaration():
+    op = gdn.OP
+    assert op.name == "gdn" and registry.op_spec("gdn") is op
+    assert op.variants == ("det", "fast")
+    assert op.selected_by == (("linear_attention_backend", "cake"),)
+    assert op.entry_points == ("chunk_gated_delta_rule",)
+    assert op.prebuild_params == ("head_k_dim", "head_v_dim")
+    flag = op.option("recompute_state")
+    assert flag.is_bool and flag.default is False
+
+
+def test_import_is_torch_free():
+    code = ("import sys; import miles_ext_kernels.cake.gdn as m; m.check_supported(128, 128, 16, 32); "
+            "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_check_supported_accepts():
+    for kd in (16, 32, 64, 128):
+        for vd in (16, 32, 64, 128):
+            gdn.check_supported(kd, vd)
+    gdn.check_supported(128, 128, 16, 32)
+
+
+@pytest.mark.parametrize("args, exc, word", [
+    ((256, 128), ValueError, "head_k_dim"),
+    ((128, 96), ValueError, "head_v_dim"),
+    ((128, 128, 3, 4), ValueError, "num_v_heads"),
+    ((128, 128, 0, 4), ValueError, "num_k_heads"),
+    ((True, 128), TypeError, "head_k_dim"),
+    ((128.0, 128), TypeError, "head_k_dim"),
+])
+def test_check_supported_rejects(args, exc, word):
+    with pytest.raises(exc, match=word):
+        gdn.check_supported(*args)
+
+
+def test_cli_defaults_and_option():
+    args = parse("--linear-attention-backend", "cake")
+    assert args.cake_gdn_variant == "fast"  # miles' command-line default
+    assert args.cake_gdn_recompute_state is False
+    args = parse("--linear-attention-backend", "cake", "--cake-gdn-recompute-state", "--cake-gdn-variant", "det")
+    mek.configure(args)
+    from miles_ext_kernels.cake._runtime import config
+    assert config.variant("gdn") == "det"
+    assert config.option("gdn", "recompute_state") is True
+
+
+def test_cli_deterministic_mode_resolves_det():
+    args = parse("--linear-attention-backend", "cake", "--deterministic-mode")
+    assert args.cake_gdn_variant == "det"
+
+
+def test_option_without_selector_rejected():
+    with pytest.raises(ValueError):
+        parse("--cake-gdn-recompute-state")
+
+
+def test_configure_direct():
+    mek.configure(gdn_variant="fast", gdn_recompute_state=True)
+    from miles_ext_kernels.cake._runtime import config
+    assert config.variant("gdn") == "fast" and config.option("gdn", "recompute_state") is True
+    with pytest.raises(ValueError):
+        mek.configure(deterministic_mode=True, gdn_variant="fast")

@@ -1,0 +1,182 @@
+"""gdn through Triton's interpreter on tiny shapes, against the FP64 per-token recurrence."""
+import importlib
+
+import pytest
+import torch
+
+import miles_ext_kernels as mek
+from miles_ext_kernels.cake import gdn
+from miles_ext_kernels.cake._runtime import registry
+from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
+
+pytestmark = pytest.mark.interpreter
+
+demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
+ops = importlib.import_module("miles_ext_kernels.cake._impl.gdn.ops")
+reference = importlib.import_module("miles_ext_kernels.cake._impl.gdn.reference")
+
+# Relative RMS budgets of the bf16 path on CPU (no peer runs here): 2 x our errors measured through the interpreter,
+# whose bf16 intermediates are rounded to nearest like the GPU's (kernels._rnd; the interpreter's own downcast
+# truncates). Measured (varlen): o 4.19e-3, ht 3.01e-3, dq 4.01e-3, dk 3.89e-3, dv 3.76e-3, dg 3.87e-3,
+# dbeta 2.91e-3, dh0 2.38e-3; (batch): o 3.36e-3, dq 3.30e-3, dk 3.50e-3, dv 2.85e-3, dg 2.97e-3, dbeta 3.32e-3.
+BUDGETS_VARLEN = {"o": 8.4e-3, "ht": 6.1e-3, "dq": 8.1e-3, "dk": 7.8e-3, "dv": 7.6e-3, "dg": 7.8e-3,
+                  "dbeta": 5.9e-3, "dh0": 4.8e-3}
+BUDGETS_BATCH = {"o": 6.8e-3, "dq": 6.6e-3, "dk": 7.0e-3, "dv": 5.7e-3, "dg": 6.0e-3, "dbeta": 6.7e-3}
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    try:
+        registry.op_spec("gdn")
+        ctx = None
+    except KeyError:
+        ctx = registry.registered(gdn.OP)
+        ctx.__enter__()
+    mek.configure()
+    yield
+    mek.configure()
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
+
+
+def _fp32_case(lens, H, HV, K, V, l2, keep, h0=True):
+    inp = demo_mod.make_inputs(lens, H, HV, K, V, "cpu", l2=l2, h0=h0)
+    f = {n: (x.float() if x is not None and x.is_floating_point() else x) for n, x in inp.items()}
+    scale = K ** -0.5
+    o, ht, qn, kk, gc, A, w, h, vn, cu, table = ops.gdn_forward(f["q"], f["k"], f["v"], f["g"], f["beta"], f["h0"],
+                                                                 f["cu"], scale, True, l2, keep)
+    grads = ops.gdn_backward(f["do"], f["dht"], f["q"], f["k"], qn, kk, f["v"], f["g"], f["beta"], f["h0"], gc, A, w,
+                             h, vn, cu, table, scale, l2, keep)
+    leaves = {n: f[n].double().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    if h0:
+        leaves["h0"] = f["h0"].double().requires_grad_(True)
+    ro, rht = reference.gdn_reference(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                                      initial_state=leaves.get("h0"), output_final_state=True,
+                                      use_qk_l2norm_in_kernel=l2, cu_seqlens=f["cu"])
+    (ro * f["do"].double()).sum().add((rht * f["dht"].double()).sum()).backward()
+    errs = {"o": rel_rms(o, ro), "ht": rel_rms(ht, rht)}
+    for name, got in zip(("q", "k", "v", "g", "beta", "h0"), grads):
+        if name in leaves:
+            errs["d" + name] = rel_rms(got, leaves[name].grad)
+    return errs
+
+
+@pytest.mark.parametrize("l2, keep", [(True, True), (False, False)])
+def test_math_exact_in_fp32(l2, keep):
+    """The kernels' algebra (chunking, WY form, state recurrence, every gradient) with fp32 intermediates matches the
+    FP64 recurrence to fp32 rounding: varlen with a document shorter than a chunk and one spanning chunk borders,
+    initial and final states, GQA heads, the L2-norm mode, kept and recomputed states."""
+    errs = _fp32_case([15, 70, 50], 1, 2, 32, 32, l2, keep)
+    assert set(errs) == {"o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
+    for name, err in errs.items():
+        assert err < 5e-6, (name, err, errs)
+
+
+def _public(inp, *, l2, cu=True, final=True, h0=True):
+    leaves = {n: inp[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    if h0:
+        leaves["h0"] = inp["h0"].clone().requires_grad_(True)
+    o, ht = gdn.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                                       initial_state=leaves.get("h0"), output_final_state=final,
+                                       use_qk_l2norm_in_kernel=l2, cu_seqlens=inp["cu"] if cu else None)
+    loss = (o.float() * inp["do"].float()).sum()
+    if final:
+        loss = loss + (ht * inp["dht"]).sum()
+    loss.backward()
+    out = {"o": o.detach()}
+    if final:
+        out["ht"] = ht.detach()
+    else:
+        assert ht is None
+    out.update({"d" + n: t.grad for n, t in leaves.items()})
+    return out
+
+
+def _reference(inp, *, l2, cu=True, final=True, h0=True):
+    leaves = {n: inp[n].detach().double().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    if h0:
+        leaves["h0"] = inp["h0"].double().requires_grad_(True)
+    o, ht = reference.gdn_reference(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                                    initial_state=leaves.get("h0"), output_final_state=final,
+                                    use_qk_l2norm_in_kernel=l2, cu_seqlens=inp["cu"] if cu else None)
+    loss = (o * inp["do"].double()).sum()
+    if final:
+        loss = loss + (ht * inp["dht"].double()).sum()
+    loss.backward()
+    out = {"o": o.detach()}
+    if final:
+        out["ht"] = ht.detach()
+    out.update({"d" + n: t.grad for n, t in leaves.items()})
+    return out
+
+
+def test_bf16_varlen_budgets_det_fast_recompute_bits():
+    inp = demo_mod.make_inputs([15, 70, 50], 1, 2, 32, 32, "cpu", l2=True, seed=0)
+    ref = _reference(inp, l2=True)
+    det = _public(inp, l2=True)
+    errs = {n: check_budget(n, det[n], ref[n], BUDGETS_VARLEN[n]) for n in det}
+    print("gdn cpu varlen errors:", {n: f"{e:.2e}" for n, e in errs.items()})
+    mek.configure(gdn_variant="fast", gdn_recompute_state=True)
+    fast = _public(inp, l2=True)
+    for n in det:
+        assert torch.equal(det[n], fast[n]), n
+
+
+def test_bf16_batch_without_cu_seqlens():
+    """B > 1 without cu_seqlens, H == HV, K != V, no initial state, no final state, no L2 norm."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 2, 40, 2, 16, 32
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(torch.bfloat16)
+    v = torch.randn(B, T, H, V, generator=gen).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, generator=gen))
+    beta = torch.rand(B, T, H, generator=gen).to(torch.bfloat16)  # bf16 beta: gradient comes back in bf16
+    do = torch.randn(B, T, H, V, generator=gen).to(torch.bfloat16)
+    inp = dict(q=q, k=k, v=v, g=g, beta=beta, do=do, cu=None, h0=None, dht=None)
+    ours = _public(inp, l2=False, cu=False, final=False, h0=False)
+    assert ours["dbeta"].dtype == torch.bfloat16 and ours["dg"].dtype == torch.float32
+    ref = _reference(inp, l2=False, cu=False, final=False, h0=False)
+    errs = {n: check_budget(n, ours[n], ref[n], BUDGETS_BATCH[n]) for n in ours}
+    print("gdn cpu batch errors:", {n: f"{e:.2e}" for n, e in errs.items()})
+
+
+def _args(T=8, H=1, HV=2, K=16, V=16, N=1):
+    q = torch.randn(1, T, H, K).to(torch.bfloat16)
+    return dict(q=q, k=q.clone(), v=torch.randn(1, T, HV, V).to(torch.bfloat16), g=torch.zeros(1, T, HV) - 0.1,
+                beta=torch.rand(1, T, HV))
+
+
+@pytest.mark.parametrize("change, exc, word", [
+    (dict(q=torch.randn(1, 8, 1, 16)), TypeError, "q"),
+    (dict(k=torch.randn(1, 8, 1, 16).to(torch.bfloat16)[:, :4]), ValueError, "k"),
+    (dict(v=torch.randn(1, 8, 3, 16).to(torch.bfloat16)), ValueError, "g must be"),
+    (dict(q=torch.randn(1, 8, 1, 24).to(torch.bfloat16), k=torch.randn(1, 8, 1, 24).to(torch.bfloat16)), ValueError,
+     "K=24"),
+    (dict(g=torch.zeros(1, 8, 3)), ValueError, "g"),
+    (dict(beta=torch.zeros(1, 8, 2, dtype=torch.int32)), TypeError, "beta"),
+    (dict(cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.float32)), TypeError, "cu_seqlens"),
+    (dict(cu_seqlens=torch.tensor([0, 9], dtype=torch.int32)), ValueError, "cu_seqlens"),
+    (dict(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(1, 2, 16, 16)), ValueError, "initial_state"),
+    (dict(scale="x"), TypeError, "scale"),
+    (dict(output_final_state=1), TypeError, "output_final_state"),
+])
+def test_bad_operands_raise_before_launch(change, exc, word):
+    kw = _args()
+    kw.update(change)
+    args = [kw.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(exc, match=word):
+        gdn.chunk_gated_delta_rule(*args, **kw)
+
+
+def test_torch_compile_fullgraph_traces():
+    inp = demo_mod.make_inputs([20, 30], 1, 1, 16, 16, "cpu", l2=True, seed=1)
+
+    def f(q, k, v, g, beta, h0, cu):
+        o, ht = gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        return o, ht
+
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["h0"], inp["cu"])
+    eager = f(*args)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
