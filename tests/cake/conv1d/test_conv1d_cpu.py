@@ -66,6 +66,20 @@ def test_against_fp64_reference(case):
     check_budget("dw", dw, rdw, BUDGET["dw32" if wdt == torch.float32 else "dw16"])
 
 
+def test_four_rows_per_step_configs(monkeypatch):
+    """The kernels also run ROWS=4 (the shipped configs use 8): same results as the reference."""
+    cfg = ops._CONFIGS["interpreter"]
+    monkeypatch.setitem(ops._CONFIGS, "interpreter", dict(cfg, fwd=dict(cfg["fwd"], ROWS=4, CHUNK=4),
+                                                          bwd=dict(cfg["bwd"], ROWS=4, CHUNK=8)))
+    x, w, dy = make(23, 16, 4, seed=9)
+    cu = torch.tensor([0, 3, 4, 13, 23], dtype=torch.int32)
+    y, dx, dw = run(x, w, dy, cu)
+    ry, rdx, rdw = causal_conv1d_ref_grads(x, w, dy, cu, "silu")
+    check_budget("y", y, ry, BUDGET["y"])
+    check_budget("dx", dx, rdx, BUDGET["dx"])
+    check_budget("dw", dw, rdw, BUDGET["dw32"])
+
+
 def test_strided_and_misaligned_x():
     """x as a column slice of a wider projection: read in place (aligned) or copied (misaligned start)."""
     cu = torch.tensor([0, 3, 17, 30], dtype=torch.int32)
@@ -192,3 +206,16 @@ def test_demo_cpu():
     rows = demo("cpu")
     assert rows and all(r["ok"] for r in rows), rows
     assert {r["tensor"] for r in rows} == {"y", "dx", "dw"}
+
+
+def test_shift_reference_matches_conv1d_reference():
+    """The cheap reference the GPU tests and benchmarks use equals the F.conv1d one (FP64)."""
+    from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_shift
+    x, w, dy = make(40, 12, 4, seed=7)
+    for cu in (None, torch.tensor([0, 0, 1, 3, 3, 17, 40])):
+        for act in ("silu", None):
+            for rnd in (False, True):
+                a = causal_conv1d_ref_grads(x, w, dy, cu, act, round_preactivation=rnd)
+                b = causal_conv1d_ref_shift(x, w, dy, cu, act, round_preactivation=rnd)
+                for p, q in zip(a, b):
+                    torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)

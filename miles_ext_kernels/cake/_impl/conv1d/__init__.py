@@ -20,7 +20,7 @@ def demo(device: str) -> list[dict]:
     import torch
 
     from ..._runtime.testing import rel_rms
-    from .reference import causal_conv1d_ref_grads
+    from .reference import causal_conv1d_ref_shift
 
     if device == "cpu":
         cases = [("T=37,D=24,W=4,3 docs,fp32 w", 37, 24, 4, [0, 5, 6, 37], torch.float32),
@@ -39,9 +39,7 @@ def demo(device: str) -> list[dict]:
         cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
         y = causal_conv1d(x, w, cu_seqlens=cu_t, activation="silu")
         y.backward(dy)
-        ry, rdx, rdw = causal_conv1d_ref_grads(x.detach().cpu(), w.detach().cpu(), dy.cpu(),
-                                               None if cu_t is None else cu_t.cpu(), "silu",
-                                               round_preactivation=True)
+        ry, rdx, rdw = causal_conv1d_ref_shift(x, w, dy, cu_t, "silu", round_preactivation=True)
         for tname, got, ref, budget in (("y", y, ry, budgets["y"]), ("dx", x.grad, rdx, budgets["dx"]),
                                         ("dw", w.grad, rdw, budgets["dw_" + str(wdt).split(".")[1]])):
             err = rel_rms(got, ref)

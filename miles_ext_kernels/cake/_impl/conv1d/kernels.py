@@ -2,7 +2,7 @@
 
 Layout of the work: a program owns BLOCK_D channels and CHUNK consecutive tokens and walks its tokens one row at
 a time, carrying the last W-1 input rows in registers (a sliding window), so every input byte is read once from
-memory. Rows are loaded four at a time ahead of the arithmetic, to keep loads in flight.
+memory. Rows are loaded ROWS (4 or 8) at a time ahead of the arithmetic, to keep loads in flight.
 
 Documents: a program finds the document of its first token with a binary search over cu_seqlens (scalar loads, no
 host sync), then tracks the next document start as it walks; at a start it clears the window (and, in the
@@ -68,8 +68,15 @@ def _row(ptr, u, stride, d, mask):
 
 
 @_helper
+def _raw(ptr, u, stride, d, mask):
+    """A row in its storage dtype (converted where used: half the registers while the load is in flight)."""
+    return tl.load(ptr + u * stride + d, mask=mask, other=0.0)
+
+
+@_helper
 def _fwd_step(u, xu, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq, y_ptr, sy, d, dm, T,
               W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr):
+    xu = xu.to(tl.float32)
     if HAS_CU:
         if u >= nb:  # u starts a document: rows before it do not count
             xm1 = tl.zeros_like(xm1)
@@ -90,7 +97,7 @@ def _fwd_step(u, xu, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq, y_ptr,
 @triton.jit(do_not_specialize=["T", "D_a", "sx_a", "sy_a", "n_seq", "n_iter"])
 def conv1d_fwd_kernel(x_ptr, w_ptr, y_ptr, cu_ptr, T, D_a, sx_a, sy_a, n_seq, n_iter,
                       W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, ALIGN: tl.constexpr,
-                      BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
     t0 = tl.program_id(0).to(tl.int64) * CHUNK
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     D = D_a * ALIGN
@@ -118,12 +125,17 @@ def conv1d_fwd_kernel(x_ptr, w_ptr, y_ptr, cu_ptr, T, D_a, sx_a, sy_a, n_seq, n_
         xm2 = _row(x_ptr, t0 - 2, sx, d, _m(dm, t0 - 2 >= ss))
     if W >= 4:
         xm3 = _row(x_ptr, t0 - 3, sx, d, _m(dm, t0 - 3 >= ss))
-    for r in range(0, CHUNK, 4):
+    for r in range(0, CHUNK, ROWS):
         u = t0 + r
-        xa = _row(x_ptr, u, sx, d, _m(dm, u < T))
-        xb = _row(x_ptr, u + 1, sx, d, _m(dm, u + 1 < T))
-        xc = _row(x_ptr, u + 2, sx, d, _m(dm, u + 2 < T))
-        xd = _row(x_ptr, u + 3, sx, d, _m(dm, u + 3 < T))
+        xa = _raw(x_ptr, u, sx, d, _m(dm, u < T))
+        xb = _raw(x_ptr, u + 1, sx, d, _m(dm, u + 1 < T))
+        xc = _raw(x_ptr, u + 2, sx, d, _m(dm, u + 2 < T))
+        xd = _raw(x_ptr, u + 3, sx, d, _m(dm, u + 3 < T))
+        if ROWS == 8:
+            xe = _raw(x_ptr, u + 4, sx, d, _m(dm, u + 4 < T))
+            xf = _raw(x_ptr, u + 5, sx, d, _m(dm, u + 5 < T))
+            xg = _raw(x_ptr, u + 6, sx, d, _m(dm, u + 6 < T))
+            xh = _raw(x_ptr, u + 7, sx, d, _m(dm, u + 7 < T))
         xm1, xm2, xm3, nb, j = _fwd_step(u, xa, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
                                          y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
         xm1, xm2, xm3, nb, j = _fwd_step(u + 1, xb, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
@@ -132,12 +144,23 @@ def conv1d_fwd_kernel(x_ptr, w_ptr, y_ptr, cu_ptr, T, D_a, sx_a, sy_a, n_seq, n_
                                          y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
         xm1, xm2, xm3, nb, j = _fwd_step(u + 3, xd, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
                                          y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+        if ROWS == 8:
+            xm1, xm2, xm3, nb, j = _fwd_step(u + 4, xe, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
+                                             y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+            xm1, xm2, xm3, nb, j = _fwd_step(u + 5, xf, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
+                                             y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+            xm1, xm2, xm3, nb, j = _fwd_step(u + 6, xg, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
+                                             y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+            xm1, xm2, xm3, nb, j = _fwd_step(u + 7, xh, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
+                                             y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
 
 
 @_helper
 def _bwd_step(u, xu, dyu, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
               cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi,
               W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, ACC_DW: tl.constexpr):
+    xu = xu.to(tl.float32)
+    dyu = dyu.to(tl.float32)
     if HAS_CU:
         if u >= nb:  # u starts a document: the open dx rows of the previous one are complete
             lo = tl.maximum(ss, t0)
@@ -198,7 +221,7 @@ def _bwd_step(u, xu, dyu, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, 
 @triton.jit(do_not_specialize=["T", "D_a", "sx_a", "sdy_a", "sdx_a", "Dp_a", "n_seq", "n_iter"])
 def conv1d_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, T, D_a, sx_a, sdy_a, sdx_a, Dp_a, n_seq, n_iter,
                       W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, ALIGN: tl.constexpr,
-                      DW_ATOMIC: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
+                      DW_ATOMIC: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
     """ACT: 0 none, 1 SiLU (SiLU' at the bf16-rounded pre-activation), 2 SiLU (exact fp32 pre-activation).
     dw_ptr: DW_ATOMIC -> fp32 [D, W] accumulator (zeroed); else fp32 partials [n_blocks, W, Dp]."""
     pid_t = tl.program_id(0)
@@ -238,16 +261,25 @@ def conv1d_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, T, D_a, sx_a
     dw1 = tl.zeros([BLOCK_D], dtype=tl.float32)
     dw2 = tl.zeros([BLOCK_D], dtype=tl.float32)
     dw3 = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for r in range(0, CHUNK, 4):
+    for r in range(0, CHUNK, ROWS):
         u = t0 + r
-        xa = _row(x_ptr, u, sx, d, _m(dm, u < T))
-        xb = _row(x_ptr, u + 1, sx, d, _m(dm, u + 1 < T))
-        xc = _row(x_ptr, u + 2, sx, d, _m(dm, u + 2 < T))
-        xd = _row(x_ptr, u + 3, sx, d, _m(dm, u + 3 < T))
-        ga = _row(dy_ptr, u, sdy, d, _m(dm, u < T))
-        gb = _row(dy_ptr, u + 1, sdy, d, _m(dm, u + 1 < T))
-        gc = _row(dy_ptr, u + 2, sdy, d, _m(dm, u + 2 < T))
-        gd = _row(dy_ptr, u + 3, sdy, d, _m(dm, u + 3 < T))
+        xa = _raw(x_ptr, u, sx, d, _m(dm, u < T))
+        xb = _raw(x_ptr, u + 1, sx, d, _m(dm, u + 1 < T))
+        xc = _raw(x_ptr, u + 2, sx, d, _m(dm, u + 2 < T))
+        xd = _raw(x_ptr, u + 3, sx, d, _m(dm, u + 3 < T))
+        ga = _raw(dy_ptr, u, sdy, d, _m(dm, u < T))
+        gb = _raw(dy_ptr, u + 1, sdy, d, _m(dm, u + 1 < T))
+        gc = _raw(dy_ptr, u + 2, sdy, d, _m(dm, u + 2 < T))
+        gd = _raw(dy_ptr, u + 3, sdy, d, _m(dm, u + 3 < T))
+        if ROWS == 8:
+            xe = _raw(x_ptr, u + 4, sx, d, _m(dm, u + 4 < T))
+            xf = _raw(x_ptr, u + 5, sx, d, _m(dm, u + 5 < T))
+            xg = _raw(x_ptr, u + 6, sx, d, _m(dm, u + 6 < T))
+            xh = _raw(x_ptr, u + 7, sx, d, _m(dm, u + 7 < T))
+            ge = _raw(dy_ptr, u + 4, sdy, d, _m(dm, u + 4 < T))
+            gf = _raw(dy_ptr, u + 5, sdy, d, _m(dm, u + 5 < T))
+            gg = _raw(dy_ptr, u + 6, sdy, d, _m(dm, u + 6 < T))
+            gh = _raw(dy_ptr, u + 7, sdy, d, _m(dm, u + 7 < T))
         xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
             u, xa, ga, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
             cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
@@ -260,11 +292,24 @@ def conv1d_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, T, D_a, sx_a
         xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
             u + 3, xd, gd, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
             cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+        if ROWS == 8:
+            xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
+                u + 4, xe, ge, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
+                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+            xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
+                u + 5, xf, gf, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
+                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+            xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
+                u + 6, xg, gg, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
+                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+            xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
+                u + 7, xh, gh, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
+                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
     # lookahead: W-1 rows past the chunk complete its last dx rows (no dw: those rows belong to the next block)
     for k in tl.static_range(W - 1):
         u = t0 + CHUNK + k
-        xa = _row(x_ptr, u, sx, d, _m(dm, u < T))
-        ga = _row(dy_ptr, u, sdy, d, _m(dm, u < T))
+        xa = _raw(x_ptr, u, sx, d, _m(dm, u < T))
+        ga = _raw(dy_ptr, u, sdy, d, _m(dm, u < T))
         xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
             u, xa, ga, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
             cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, False)

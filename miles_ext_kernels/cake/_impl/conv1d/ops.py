@@ -21,14 +21,14 @@ OP = "conv1d"
 # fwd / bwd: BLOCK_D channels x CHUNK tokens per program; red: the det dw reduction.
 _CONFIGS = {
     "sm_90a": {
-        "fwd": dict(BLOCK_D=256, CHUNK=128, num_warps=1, num_stages=1),
-        "bwd": dict(BLOCK_D=256, CHUNK=128, num_warps=1, num_stages=1),
+        "fwd": dict(BLOCK_D=256, CHUNK=128, ROWS=8, num_warps=1, num_stages=1),
+        "bwd": dict(BLOCK_D=256, CHUNK=128, ROWS=8, num_warps=1, num_stages=1),
         "red": dict(BLOCK_P=16, BLOCK_D=256, num_warps=4, num_stages=1),
     },
     # CPU tests through the interpreter: small blocks, so tiny shapes still span several programs
     "interpreter": {
-        "fwd": dict(BLOCK_D=32, CHUNK=8, num_warps=1, num_stages=1),
-        "bwd": dict(BLOCK_D=32, CHUNK=8, num_warps=1, num_stages=1),
+        "fwd": dict(BLOCK_D=32, CHUNK=8, ROWS=8, num_warps=1, num_stages=1),
+        "bwd": dict(BLOCK_D=32, CHUNK=16, ROWS=8, num_warps=1, num_stages=1),
         "red": dict(BLOCK_P=4, BLOCK_D=32, num_warps=1, num_stages=1),
     },
 }

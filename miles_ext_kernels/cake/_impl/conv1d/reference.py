@@ -51,3 +51,46 @@ def causal_conv1d_ref_grads(x, weight, dy, cu_seqlens=None, activation="silu", r
         y = pre.detach()
     dx, dw = torch.autograd.grad(pre, (xd, wd), dpre)
     return y, dx, dw
+
+
+def positions(T: int, cu_seqlens, device) -> torch.Tensor:
+    """Position of every token inside its document (int64, on `device`)."""
+    t = torch.arange(T, device=device)
+    if cu_seqlens is None:
+        return t
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    seg = torch.searchsorted(cu, t, right=True) - 1
+    return t - cu[seg.clamp_min(0)]
+
+
+def causal_conv1d_ref_shift(x, weight, dy=None, cu_seqlens=None, activation="silu", round_preactivation=False,
+                            dtype=torch.float64):
+    """The same FP64 reference written as W shifted, masked multiply-adds with analytic gradients: cheap enough
+    for benchmark shapes on the GPU. Returns y, or (y, dx, dw) when `dy` is given."""
+    T, D = x.shape
+    W = weight.shape[1]
+    xd = x.detach().to(dtype)
+    wd = weight.detach().to(dtype)
+    pos = positions(T, cu_seqlens, x.device)
+    pre = torch.zeros_like(xd)
+    for k in range(min(W, T)):  # tap k multiplies x[t - k], valid when the token is >= k into its document
+        m = (pos[k:] >= k).to(dtype)[:, None]
+        pre[k:] += wd[:, W - 1 - k] * xd[:T - k] * m
+    act = activation in ("silu", "swish")
+    y = torch.nn.functional.silu(pre) if act else pre
+    if dy is None:
+        return y
+    if act:
+        p = pre.to(torch.bfloat16).to(dtype) if round_preactivation else pre
+        s = torch.sigmoid(p)
+        g = dy.to(dtype) * (s * (1 + p * (1 - s)))
+    else:
+        g = dy.to(dtype)
+    dx = torch.zeros_like(xd)
+    dw = torch.zeros_like(wd)
+    for k in range(min(W, T)):
+        m = (pos[k:] >= k).to(dtype)[:, None]
+        gk = g[k:] * m
+        dx[:T - k] += wd[:, W - 1 - k] * gk
+        dw[:, W - 1 - k] = (gk * xd[:T - k]).sum(0)
+    return y, dx, dw

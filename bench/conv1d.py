@@ -1,0 +1,217 @@
+"""Benchmark of `conv1d` (causal depthwise conv, width 4, SiLU, packed documents, bf16) against its peers, in one run.
+
+Peers: fla's `causal_conv1d` (Triton, backend="triton") and a PyTorch reference (F.conv1d per document in bf16 +
+SiLU, autograd backward). Qwen3-Next's shape: D = 2*16*128 + 2*32*128 = 12288 channels, 32768 tokens.
+Bytes: fwd reads x and writes y; bwd reads x and dy and writes dx (weights are negligible). Also reports each
+implementation's relative RMS error against the FP64 reference on the main shape, and whether det repeats bits.
+Prints a table; writes bench/results/conv1d.json.
+
+    python bench/conv1d.py [--no-fla] [--no-torch] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import COPY_TBPS, median_ms, print_table, write_results  # noqa: E402
+
+import miles_ext_kernels as mek  # noqa: E402
+from miles_ext_kernels import cake  # noqa: E402
+from miles_ext_kernels.cake import conv1d  # noqa: E402
+from miles_ext_kernels.cake._impl.conv1d import ops  # noqa: E402
+from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_shift  # noqa: E402
+
+
+D = 12288
+W = 4
+
+
+def irregular_lengths():
+    g = torch.Generator().manual_seed(1)
+    lens, tot = [], 0
+    while tot < 32768:
+        L = min(int(torch.randint(64, 8192, (1,), generator=g)), 32768 - tot)
+        lens.append(L)
+        tot += L
+    return lens
+
+
+def layouts():
+    return {
+        "16x2048": [2048] * 16,
+        "irregular": irregular_lengths(),
+        "1x32768 (cu=None)": None,
+    }
+
+
+def make(lens, wdt, seed=0):
+    T = 32768 if lens is None else sum(lens)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(D, W, device="cuda", generator=g) * 0.5).to(wdt)
+    dy = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+    cu = None
+    if lens is not None:
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    return x, w, dy, cu
+
+
+# ---------------------------------------------------------------------------------------------------- impls
+def ours(x, w, cu):
+    return conv1d.causal_conv1d(x, w, cu_seqlens=cu, activation="silu")
+
+
+def fla_fn():
+    from fla.modules.causal_conv1d import causal_conv1d as fla_conv
+
+    def fwd(x, w, cu):
+        y, _ = fla_conv(x[None], w, activation="silu", backend="triton",
+                        cu_seqlens=None if cu is None else cu.to(torch.int64))
+        return y[0]
+    return fwd
+
+
+def torch_fn(lens_holder):
+    def fwd(x, w, cu):
+        lens = lens_holder[0]
+        bounds = [0] + torch.tensor(lens).cumsum(0).tolist() if lens is not None else [0, x.shape[0]]
+        wt = w.to(x.dtype).unsqueeze(1)
+        outs = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            seg = x[s:e].t().unsqueeze(0)
+            outs.append(F.conv1d(F.pad(seg, (W - 1, 0)), wt, groups=D)[0].t())
+        return F.silu(torch.cat(outs, 0))
+    return fwd
+
+
+def time_impl(fn, x, w, dy, cu):
+    with torch.no_grad():
+        fwd_ms = median_ms(lambda: fn(x, w, cu))
+    xr = x.detach().requires_grad_(True)
+    wr = w.detach().requires_grad_(True)
+    y = fn(xr, wr, cu)
+    bwd_ms = median_ms(lambda: torch.autograd.grad(y, (xr, wr), dy, retain_graph=True))
+    return fwd_ms, bwd_ms
+
+
+def rel_rms(got, ref):
+    """||got - ref|| / ||ref|| in FP64, on the device (the tensors are GBs)."""
+    r = ref.to(torch.float64)
+    return float(torch.linalg.vector_norm(got.to(torch.float64) - r) / torch.linalg.vector_norm(r))
+
+
+def grads(fn, x, w, dy, cu):
+    xr = x.detach().requires_grad_(True)
+    wr = w.detach().requires_grad_(True)
+    y = fn(xr, wr, cu)
+    dx, dw = torch.autograd.grad(y, (xr, wr), dy)
+    return y.detach(), dx, dw
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time a few alternative block configs")
+    ap.add_argument("--prebuild", action="store_true", help="prebuild every route first (fills the cache)")
+    args = ap.parse_args()
+    t_start = time.time()
+    if args.prebuild:
+        for wd in ("bfloat16", "float32"):
+            print(cake.prebuild("conv1d", weight_dtype=wd), flush=True)
+    rows, errs = [], []
+    lens_holder = [None]
+    impls = {"cake det": ours, "cake fast": ours}
+    variant = {"cake det": "det", "cake fast": "fast"}  # configured before each of our runs
+    if not args.no_fla:
+        try:
+            impls["fla causal_conv1d"] = fla_fn()
+        except Exception as e:  # noqa: BLE001
+            print(f"fla unavailable: {e!r}")
+    if not args.no_torch:
+        impls["torch F.conv1d/doc"] = torch_fn(lens_holder)
+    for wdt in (torch.bfloat16, torch.float32):
+        for lname, lens in layouts().items():
+            if wdt == torch.float32 and lname != "16x2048":
+                continue
+            lens_holder[0] = lens
+            x, w, dy, cu = make(lens, wdt)
+            T = x.shape[0]
+            fbytes, bbytes = 2 * T * D * 2, 3 * T * D * 2
+            shape = f"{lname} D{D} W{W} w={str(wdt)[6:]}"
+            for name, fn in impls.items():
+                mek.configure(conv1d_variant=variant.get(name, "det"))
+                try:
+                    f_ms, b_ms = time_impl(fn, x, w, dy, cu)
+                except Exception as e:  # noqa: BLE001
+                    print(f"{name} on {shape}: {e!r}")
+                    continue
+                rows.append(dict(shape=shape, impl=name, fwd_ms=f_ms, bwd_ms=b_ms, fwd_tbps=fbytes / f_ms / 1e9,
+                                 bwd_tbps=bbytes / b_ms / 1e9))
+                print(rows[-1], flush=True)
+            mek.configure()
+            if lname == "16x2048":  # accuracy vs FP64 (exact SiLU') and bit repeatability, same inputs
+                ref = causal_conv1d_ref_shift(x, w, dy, cu, "silu")
+                for name, fn in impls.items():
+                    mek.configure(conv1d_variant=variant.get(name, "det"))
+                    try:
+                        a = grads(fn, x, w, dy, cu)
+                        b = grads(fn, x, w, dy, cu)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{name} accuracy: {e!r}")
+                        continue
+                    errs.append(dict(shape=shape, impl=name, err_y=rel_rms(a[0], ref[0]),
+                                     err_dx=rel_rms(a[1], ref[1]), err_dw=rel_rms(a[2], ref[2]),
+                                     bits_repeat=all(torch.equal(p, q) for p, q in zip(a, b))))
+                    print(errs[-1], flush=True)
+                del ref
+                mek.configure()
+            del x, w, dy
+            torch.cuda.empty_cache()
+    sweep = []
+    if args.sweep:
+        lens_holder[0] = [2048] * 16
+        x, w, dy, cu = make([2048] * 16, torch.bfloat16)
+        T = x.shape[0]
+        shipped = {k: dict(v) for k, v in ops._CONFIGS["sm_90a"].items()}
+        for kind, cfg in (("fwd", dict(BLOCK_D=256, CHUNK=128, ROWS=4, num_warps=1)),
+                          ("fwd", dict(BLOCK_D=128, CHUNK=128, ROWS=8, num_warps=1)),
+                          ("fwd", dict(BLOCK_D=512, CHUNK=128, ROWS=8, num_warps=2)),
+                          ("fwd", dict(BLOCK_D=256, CHUNK=256, ROWS=8, num_warps=1)),
+                          ("bwd", dict(BLOCK_D=256, CHUNK=128, ROWS=4, num_warps=1)),
+                          ("bwd", dict(BLOCK_D=128, CHUNK=128, ROWS=8, num_warps=1)),
+                          ("bwd", dict(BLOCK_D=512, CHUNK=128, ROWS=8, num_warps=2)),
+                          ("bwd", dict(BLOCK_D=256, CHUNK=256, ROWS=8, num_warps=1)),
+                          ("bwd", dict(BLOCK_D=128, CHUNK=256, ROWS=8, num_warps=1))):
+            if time.time() - t_start > 120:
+                break
+            ops._CONFIGS["sm_90a"][kind] = dict(cfg, num_stages=1)
+            f_ms, b_ms = time_impl(ours, x, w, dy, cu)
+            ms = f_ms if kind == "fwd" else b_ms
+            nbytes = (2 if kind == "fwd" else 3) * T * D * 2
+            sweep.append(dict(kind=kind, **cfg, ms=ms, tbps=nbytes / ms / 1e9))
+            print(sweep[-1], flush=True)
+            ops._CONFIGS["sm_90a"] = {k: dict(v) for k, v in shipped.items()}
+        mek.configure()
+    print()
+    print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tbps", "bwd_tbps"])
+    print()
+    print_table(errs, ["shape", "impl", "err_y", "err_dx", "err_dw", "bits_repeat"])
+    if sweep:
+        print()
+        print_table(sweep, ["kind", "BLOCK_D", "CHUNK", "ROWS", "num_warps", "ms", "tbps"])
+    path = write_results("conv1d", rows, extra={"accuracy": errs, "sweep": sweep, "copy_tbps": COPY_TBPS,
+                                                "configs": ops._CONFIGS["sm_90a"]})
+    print(f"wrote {path} ({time.time() - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
