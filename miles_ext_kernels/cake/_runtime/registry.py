@@ -12,7 +12,7 @@ import importlib
 from .spec import OpSpec
 
 # The shipped ops, in the order the command line and the docs list them. Adding an op = one line here.
-_OP_MODULES: tuple[str, ...] = ("gqa", "rmsnorm", "gated_rmsnorm", "conv1d")
+_OP_MODULES: tuple[str, ...] = ("gqa", "rmsnorm", "gated_rmsnorm", "conv1d", "gdn")
 
 _EXTRA: dict[str, OpSpec] = {}
 
