@@ -157,12 +157,11 @@ def tune(args):
     from miles_ext_kernels.cake._impl.gqa import ops, reference
 
     base = ops.CONFIGS["sm_90a"]
-    fwd_c = [dict(BM=128, BN=64, num_warps=8, num_stages=2), dict(BM=128, BN=32, num_warps=8, num_stages=2),
-             dict(BM=128, BN=32, num_warps=8, num_stages=3), dict(BM=64, BN=64, num_warps=4, num_stages=2)]
-    dq_c = [dict(BM=128, BN=64, num_warps=8, num_stages=1), dict(BM=64, BN=64, num_warps=8, num_stages=2),
-            dict(BM=128, BN=32, num_warps=8, num_stages=2), dict(BM=64, BN=64, num_warps=4, num_stages=2)]
-    kv_c = [dict(BM=64, BN=64, num_warps=8, num_stages=2), dict(BM=32, BN=64, num_warps=8, num_stages=2),
-            dict(BM=64, BN=64, num_warps=8, num_stages=1), dict(BM=32, BN=64, num_warps=8, num_stages=3)]
+    fwd_c = [dict(BM=128, BN=64, num_warps=8, num_stages=2), dict(BM=128, BN=64, num_warps=8, num_stages=2, PIPE=True),
+             dict(BM=64, BN=32, num_warps=4, num_stages=2), dict(BM=128, BN=32, num_warps=8, num_stages=3, PIPE=True)]
+    dq_c = [dict(BM=128, BN=64, num_warps=8, num_stages=1), dict(BM=128, BN=32, num_warps=8, num_stages=2)]
+    kv_c = [dict(BM=64, BN=64, num_warps=8, num_stages=2), dict(BM=128, BN=64, num_warps=8, num_stages=1, S_ROWS=True),
+            dict(BM=32, BN=64, num_warps=8, num_stages=3)]
     small = ([300, 129, 0, 64, 700], 8, 2)
     q, k, v, do, cu = make(*small, seed=3)
     ro, rl, rdq, rdk, rdv = reference.reference_grads(q, k, v, cu, cu, do)
@@ -173,7 +172,7 @@ def tune(args):
         c.update(kw)
         return c
 
-    for name, cands in (("fwd", fwd_c), ("dq", dq_c), ("dkdv", kv_c), ("dkdv_fused", kv_c[:2])):
+    for name, cands in (("fwd", fwd_c), ("dq", dq_c), ("dkdv", kv_c), ("dkdv_fused", kv_c[1:2])):
         for cand in cands:
             key = "dkdv" if name.startswith("dkdv") else name
             cfg = cfg_with(**{key: cand})
@@ -192,8 +191,12 @@ def tune(args):
                         r[shape] = median_ms(lambda: ops.gqa_forward(qq, kk, vv, cc, cc, SCALE, cfg))
                     else:
                         oo, ll = ops.gqa_forward(qq, kk, vv, cc, cc, SCALE)
+                        part = ("dq",) if name == "dq" else ("dkdv",) + (("dq",) if fused else ())
                         r[shape] = median_ms(lambda: ops.gqa_backward(dd, qq, kk, vv, oo, ll, cc, cc, SCALE,
-                                                                      "fast", cfg, fused))
+                                                                      "fast", cfg, fused, parts=part))
+                        if name == "dq":
+                            r["delta " + shape] = median_ms(lambda: ops.gqa_backward(
+                                dd, qq, kk, vv, oo, ll, cc, cc, SCALE, "fast", cfg, fused, parts=("delta",)))
                     del qq, kk, vv, dd, cc
             except Exception as e:  # noqa
                 r = {"part": name, "cfg": str(cand), "error": repr(e)[:200]}

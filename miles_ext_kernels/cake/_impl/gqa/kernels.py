@@ -95,7 +95,7 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, 
     pc = p.to(tl.bfloat16)
     if INTERPRET:
         pc = pc.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(pc, v)
+    acc = tl.dot(pc, v, acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -103,7 +103,7 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, 
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
                 sm_scale, T_q, n_seg, n_iter, H_q, group,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
-                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr):
+                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PIPE: tl.constexpr, INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % H_q
     t = pid // H_q
@@ -139,11 +139,43 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
         # key blocks every row of the tile sees in full: [0, n_full)
         n_full = (tl.maximum(tl.minimum(m0 + offset + 1, L_k), 0) // BN) * BN
         hi = tl.maximum(tl.minimum(L_k, m0 + BM + offset), 0)
-        for n in range(0, hi, BN):
-            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k,
-                                       qk_scale, True, INTERPRET)
-            kT_ptrs += BN * skt
-            v_ptrs += BN * svt
+        if PIPE:
+            # software-pipelined: S of the next key block is issued before the softmax of this one, so the
+            # tensor cores work on Q K^T while the softmax runs (async wgmma keeps it in flight)
+            k = tl.load(kT_ptrs, mask=(offs_n < hi)[:, None], other=0.0)
+            if INTERPRET:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k))
+            for n in range(0, hi, BN):
+                kT_ptrs += BN * skt
+                kn = tl.load(kT_ptrs, mask=((n + BN + offs_n) < hi)[:, None], other=0.0)
+                if INTERPRET:
+                    kn = kn.to(tl.float32)
+                s_next = tl.dot(q, tl.trans(kn))
+                s = s * qk_scale
+                keep = ((n + offs_n)[None, :] <= (m0 + offs_m)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
+                s = tl.where(keep, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(s - m_use[:, None])
+                alpha = tl.math.exp2(m_i - m_use)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                pc = p.to(tl.bfloat16)
+                if INTERPRET:
+                    pc = pc.to(tl.float32)
+                v = tl.load(v_ptrs, mask=((n + offs_n) < hi)[:, None], other=0.0)
+                if INTERPRET:
+                    v = v.to(tl.float32)
+                acc = tl.dot(pc, v, acc * alpha[:, None])
+                m_i = m_new
+                s = s_next
+                v_ptrs += BN * svt
+        else:
+            for n in range(0, hi, BN):
+                acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k,
+                                           qk_scale, True, INTERPRET)
+                kT_ptrs += BN * skt
+                v_ptrs += BN * svt
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -196,7 +228,7 @@ def _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, off
     dsc = ds.to(tl.bfloat16)
     if INTERPRET:
         dsc = dsc.to(tl.float32)
-    dq += tl.dot(dsc, k)
+    dq = tl.dot(dsc, k, dq)
     return dq
 
 
@@ -288,13 +320,13 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, offs
     pc = pT.to(tl.bfloat16)
     if INTERPRET:
         pc = pc.to(tl.float32)
-    dv += tl.dot(pc, do)
+    dv = tl.dot(pc, do, dv)
     dpT = tl.dot(v, tl.trans(do))
     dsT = pT * (dpT - delta[None, :])
     dsc = dsT.to(tl.bfloat16)
     if INTERPRET:
         dsc = dsc.to(tl.float32)
-    dk += tl.dot(dsc, q)
+    dk = tl.dot(dsc, q, dk)
     if FUSE_DQ:
         dqp = tl.dot(tl.trans(dsc), k)  # [BM, D]
         a_ptrs = DQA + rel * sat + h * sah + (offs_m[:, None] * sat + offs_d[None, :])
@@ -305,12 +337,52 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, offs
     return dk, dv
 
 
+@triton.jit
+def _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, offs_n, offs_d, n0, offset, L_q,
+                  T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
+                  FUSE_DQ: tl.constexpr, INTERPRET: tl.constexpr):
+    """Same as `_dkdv_block`, computing S = Q K^T with the query rows as the M dimension (a 128-row M fills both
+    warpgroups) and transposing P and dS (bf16) for the dV / dK products."""
+    rows = m + offs_m
+    rel = (q_row0 + m).to(tl.int64)
+    rvalid = rows < L_q
+    q = tl.load(Q + rel * sqt + h * sqh + (offs_m[:, None] * sqt + offs_d[None, :]), mask=rvalid[:, None], other=0.0)
+    do = tl.load(DO + rel * sdt + h * sdh + (offs_m[:, None] * sdt + offs_d[None, :]), mask=rvalid[:, None],
+                 other=0.0)
+    lse = tl.load(LSE + h.to(tl.int64) * T_q + q_row0 + rows, mask=rvalid, other=0.0)
+    delta = tl.load(DELTA + h.to(tl.int64) * T_q + q_row0 + rows, mask=rvalid, other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = lse * 1.4426950408889634
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BM, BN]
+    p = tl.math.exp2(s - lse2[:, None])
+    keep = (n0 + offs_n)[None, :] <= rows[:, None] + offset
+    p = tl.where(keep, p, 0.0)
+    pc = p.to(tl.bfloat16)
+    if INTERPRET:
+        pc = pc.to(tl.float32)
+    dv = tl.dot(tl.trans(pc), do, dv)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    dsc = ds.to(tl.bfloat16)
+    if INTERPRET:
+        dsc = dsc.to(tl.float32)
+    dk = tl.dot(tl.trans(dsc), q, dk)
+    if FUSE_DQ:
+        dqp = tl.dot(dsc, k)  # [BM, D]
+        a_ptrs = DQA + rel * sat + h * sah + (offs_m[:, None] * sat + offs_d[None, :])
+        tl.atomic_add(a_ptrs, dqp, mask=rvalid[:, None], sem="relaxed")
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=_RUNTIME)
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU_Q, CU_K, TS,
                      sm_scale, T_q, T_k, n_seg, n_iter, H_kv, group,
                      sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, sdkt, sdkh, sdvt, sdvh,
                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FUSE_DQ: tl.constexpr,
-                     INTERPRET: tl.constexpr):
+                     S_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     hk = pid % H_kv
     t = pid // H_kv
@@ -352,9 +424,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU_Q, CU_K, TS,
         for g in range(group):
             h = hk * group + g
             for m in range(m_lo, L_q, BM):
-                dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
-                                     offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
-                                     True, FUSE_DQ, INTERPRET)
+                if S_ROWS:
+                    dk, dv = _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d,
+                                           n0, offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
+                                           FUSE_DQ, INTERPRET)
+                else:
+                    dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
+                                         offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
+                                         True, FUSE_DQ, INTERPRET)
         dk = dk * sm_scale
         tl.store(DK + krow0 * sdkt + hk * sdkh + (offs_n[:, None] * sdkt + offs_d[None, :]),
                  dk.to(DK.dtype.element_ty), mask=kvalid[:, None])

@@ -110,7 +110,8 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
         q, k, v, out, lse, cu_q, cu_k, ts,
         float(scale), T_q, B, B.bit_length(), H_q, H_q // H_kv,
         sqt, sqh, skt, skh, svt, svh, out.stride(0), out.stride(1),
-        D=D, BM=c["BM"], BN=c["BN"], INTERPRET=INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        D=D, BM=c["BM"], BN=c["BN"], PIPE=c.get("PIPE", False), INTERPRET=INTERPRET, num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
     return out, lse
 
 
@@ -118,8 +119,9 @@ def _align(n: int) -> int:
     return _cdiv(n, 256) * 256
 
 
-def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, cfg=None, fused=None):
-    """(dq, dk, dv) in the dtypes of q, k, v. `fused` overrides the fast variant's dQ mode (tuning)."""
+def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, cfg=None, fused=None,
+                 parts=("delta", "dkdv", "dq")):
+    """(dq, dk, dv) in the dtypes of q, k, v. `cfg`, `fused` and `parts` override the config (benchmarks only)."""
     arch = _arch_of(q)
     cfg = cfg or CONFIGS[arch]
     if fused is None:
@@ -148,14 +150,14 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     svt, svh = _strides(v)
     sdt, sdh = _strides(do)
     sot, soh = _strides(out)
-    if T_q * H_q > 0:
+    if T_q * H_q > 0 and "delta" in parts:
         K._bwd_delta_kernel[(_cdiv(T_q, cd["BR"]) * H_q,)](
             out, do, delta, T_q, H_q, sot, soh, sdt, sdh,
             D=D, BR=cd["BR"], INTERPRET=INTERPRET, num_warps=cd["num_warps"], num_stages=cd["num_stages"])
     upper_k = _cdiv(T_k, ckv["BN"]) + B
     if fused:
         dqa.zero_()
-    if upper_k * H_kv > 0:
+    if upper_k * H_kv > 0 and "dkdv" in parts:
         _prefix(cu_k, ts_k, ckv["BN"], cfg)
         sat, sah = (H_q * D, D) if fused else (H_q * D, D)
         K._bwd_dkdv_kernel[(upper_k * H_kv,)](
@@ -163,17 +165,17 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
             float(scale), T_q, T_k, B, B.bit_length(), H_kv, group,
             sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, dk.stride(0), dk.stride(1), dv.stride(0),
             dv.stride(1),
-            D=D, BM=ckv["BM"], BN=ckv["BN"], FUSE_DQ=fused, INTERPRET=INTERPRET,
+            D=D, BM=ckv["BM"], BN=ckv["BN"], FUSE_DQ=fused, S_ROWS=ckv.get("S_ROWS", False), INTERPRET=INTERPRET,
             num_warps=ckv["num_warps"], num_stages=ckv["num_stages"])
     if fused:
         n = T_q * H_q * D
-        if n > 0:
+        if n > 0 and "dq" in parts:
             cc = cfg["cast"]
             K._dq_cast_kernel[(_cdiv(n, cc["BLOCK"]),)](dqa, dq, n, float(scale), BLOCK=cc["BLOCK"],
                                                         num_warps=cc["num_warps"], num_stages=cc["num_stages"])
     else:
         upper_q = _cdiv(T_q, cq["BM"]) + B
-        if upper_q * H_q > 0:
+        if upper_q * H_q > 0 and "dq" in parts:
             _prefix(cu_q, ts_q, cq["BM"], cfg)
             K._bwd_dq_kernel[(upper_q * H_q,)](
                 q, k, v, do, lse, delta, dq, cu_q, cu_k, ts_q,
@@ -200,11 +202,14 @@ def routes(**model_params):
     def launch(c):
         return {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
 
+    # (the fwd kernel's PIPE flag and the dK/dV kernel's S_ROWS flag are part of the fixed config)
+
     c = cfg["prefix"]
     out = [Route(K._tile_prefix_kernel, (i32, i32, n, 64), (1,), {"BLOCK": c["BLOCK"], **launch(c)}, "tile_prefix")]
     c = cfg["fwd"]
     out.append(Route(K._fwd_kernel, (bf, bf, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n) + (st, sh) * 4,
-                     (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "INTERPRET": False, **launch(c)}, "fwd"))
+                     (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "PIPE": c.get("PIPE", False),
+                            "INTERPRET": False, **launch(c)}, "fwd"))
     c = cfg["delta"]
     out.append(Route(K._bwd_delta_kernel, (bf, bf, f32, n, n) + (st, sh) * 2, (1,),
                      {"D": HEAD_DIM, "BR": c["BR"], "INTERPRET": False, **launch(c)}, "bwd_delta"))
@@ -216,7 +221,8 @@ def routes(**model_params):
     for fused in (False, True) if FAST_FUSED_DQ[arch] else (False,):
         out.append(Route(K._bwd_dkdv_kernel, (bf, bf, bf, bf, f32, f32, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n,
                                               n, n, n) + (st, sh) * 7, (1,),
-                         {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "FUSE_DQ": fused, "INTERPRET": False,
+                         {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "FUSE_DQ": fused,
+                          "S_ROWS": c.get("S_ROWS", False), "INTERPRET": False,
                           **launch(c)}, f"bwd_dkdv{'_fused_dq' if fused else ''}"))
     if FAST_FUSED_DQ[arch]:
         c = cfg["cast"]
