@@ -41,6 +41,9 @@ def log(*a):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+SKIP: set = set()
+
+
 def peers_rms():
     out = {"eager": rref.zero_centered_rmsnorm_eager,
            "torch.compile": torch.compile(rref.zero_centered_rmsnorm_eager, dynamic=False)}
@@ -50,7 +53,7 @@ def peers_rms():
         out["liger"] = lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 1.0, "gemma", False, None)
     except Exception as e:  # noqa: BLE001
         log("liger unavailable:", repr(e)[:200])
-    return out
+    return {k: v for k, v in out.items() if k not in SKIP}
 
 
 def peers_gated():
@@ -62,7 +65,7 @@ def peers_gated():
         out["fla"] = lambda x, z, w, eps: rms_norm_gated(x, z, w, None, "swish", eps=eps)
     except Exception as e:  # noqa: BLE001
         log("fla unavailable:", repr(e)[:200])
-    return out
+    return {k: v for k, v in out.items() if k not in SKIP}
 
 
 def gpu_rel_rms(got, ref):
@@ -254,7 +257,10 @@ def main():
     ap.add_argument("--quick", action="store_true", help="32k tokens only")
     ap.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
     ap.add_argument("--sweep-seconds", type=float, default=float(os.environ.get("NORMS_SWEEP_S", 40)))
+    ap.add_argument("--skip", default="", help="comma-separated peers to leave out (e.g. torch.compile)")
+    ap.add_argument("--name", default="norms", help="results file stem (bench/results/<name>.json)")
     ns = ap.parse_args()
+    SKIP.update(p for p in ns.skip.split(",") if p)
     torch.manual_seed(0)
     for h in (2048, 5120):
         log(cake.prebuild("rmsnorm", hidden_size=h))
@@ -268,7 +274,7 @@ def main():
     if sw:
         print()
         print_table(sw, ["kernel", "shape", "cfg", "programs", "ms", "tbps"])
-    path = write_results("norms", rows, {"errors": errors, "sweep": sw, "copy_tbps": COPY_TBPS})
+    path = write_results(ns.name, rows, {"errors": errors, "sweep": sw, "copy_tbps": COPY_TBPS})
     log("wrote", path)
 
 

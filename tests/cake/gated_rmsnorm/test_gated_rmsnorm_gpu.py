@@ -9,7 +9,7 @@ from miles_ext_kernels.cake import gated_rmsnorm as decl
 from miles_ext_kernels.cake._impl.gated_rmsnorm import _demo as demo_mod
 from miles_ext_kernels.cake._impl.gated_rmsnorm import ops
 from miles_ext_kernels.cake._impl.gated_rmsnorm.reference import grads_ref
-from miles_ext_kernels.cake._runtime.testing import check_budget
+from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
 
 pytestmark = pytest.mark.gpu
 BF, F32 = torch.bfloat16, torch.float32
@@ -112,7 +112,7 @@ def test_fast_close_to_det():
     mek.configure(gated_rmsnorm_variant="fast")
     f = _bits(*a)
     assert all(torch.equal(u, v) for u, v in zip(d[:3], f[:3]))
-    torch.testing.assert_close(d[3], f[3], rtol=1e-5, atol=1e-4)
+    assert rel_rms(f[3], d[3]) < 2e-6  # dw: fp32 sums in another order
 
 
 def test_no_host_sync_in_steady_state():

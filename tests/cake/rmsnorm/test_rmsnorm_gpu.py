@@ -8,7 +8,7 @@ from miles_ext_kernels.cake import rmsnorm as decl
 from miles_ext_kernels.cake._impl.rmsnorm import _demo as demo_mod
 from miles_ext_kernels.cake._impl.rmsnorm import ops
 from miles_ext_kernels.cake._impl.rmsnorm.reference import grads_ref
-from miles_ext_kernels.cake._runtime.testing import check_budget
+from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
 
 pytestmark = pytest.mark.gpu
 BF, F32 = torch.bfloat16, torch.float32
@@ -109,7 +109,7 @@ def test_fast_close_to_det():
     mek.configure(rmsnorm_variant="fast")
     f = _bits(x, w, dy)
     assert torch.equal(d[0], f[0]) and torch.equal(d[1], f[1])  # y, dx: same code in both variants
-    torch.testing.assert_close(d[2], f[2], rtol=1e-5, atol=1e-5)
+    assert rel_rms(f[2], d[2]) < 2e-6  # dw: fp32 sums in another order (elementwise, small entries differ more)
 
 
 def test_no_host_sync_in_steady_state():

@@ -35,10 +35,9 @@ def _reduce_columns_kernel(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK
     tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-def reduce_columns(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[:] = partial.sum(0) in a fixed order; partial fp32 `[P, N]` contiguous, out `[N]` contiguous."""
-    P, N = partial.shape
-    grid = (triton.cdiv(N, BLOCK_N),)
+def reduce_columns(partial: torch.Tensor, P: int, N: int, out: torch.Tensor) -> torch.Tensor:
+    """out[:N] = partial viewed as `[P, N]` (fp32, row-major), summed over its rows in a fixed order."""
+    grid = ((N + BLOCK_N - 1) // BLOCK_N,)
     _reduce_columns_kernel[grid](partial, out, P, N, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
                                  num_stages=1)
     return out

@@ -33,7 +33,7 @@ W_DTYPES = (torch.float32, torch.bfloat16)
 # Fixed configuration table (no autotuning). Windows by row count N = tokens x heads.
 SMALL_N = 4096
 WINDOWS = ("small", "large")
-BWD_PROGRAMS = {"sm_90a": 264}  # fixed per arch (not the live SM count): the det bits depend only on N
+SMS = {"sm_90a": 132}  # backward programs = SMS x per-SM count from the table (fixed per arch, not the live count)
 _INTERPRETER_ARCH = "sm_90a"
 
 
@@ -46,13 +46,32 @@ def fwd_config(D: int, window: str):
 
 
 def bwd_config(D: int, window: str):
-    """(BLOCK_M, BLOCK_D, num_warps, num_stages) of the backward for head dim D (both windows: same tile)."""
+    """(BLOCK_M, BLOCK_D, num_warps, num_stages, programs per SM) of the backward (both windows: same).
+    From the H200 sweep (bench/NOTES_norms.md): 8192-element tiles, 16 warps, one program per SM."""
     bd = triton.next_power_of_2(D)
-    return max(1, 4096 // bd), bd, 8, 1
+    return max(1, 8192 // bd), bd, 16, 1, 1
 
 
 def window_of(N: int) -> str:
     return "small" if N <= SMALL_N else "large"
+
+
+_cfg_cache: dict = {}
+
+
+def _configs(D: int, N: int, arch: str):
+    """(fwd config, bwd config, backward programs) for a call, cached (a dict look-up on the hot path)."""
+    key = (D, N <= SMALL_N, arch)
+    c = _cfg_cache.get(key)
+    if c is None:
+        w = window_of(N)
+        b = bwd_config(D, w)
+        c = _cfg_cache[key] = (fwd_config(D, w), b[:4], SMS[arch] * b[4])
+    return c
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # plain ints: triton.cdiv is a jit function, ~20 us per host call
 
 
 _arch_cache: dict = {}
@@ -98,6 +117,8 @@ def in_place(t: torch.Tensor, T: int, NH: int, D: int):
 
 def _operand(t: torch.Tensor, T: int, NH: int, D: int, name: str):
     """(tensor, stride_t, stride_h) for the kernels: in place when the layout allows, a contiguous copy otherwise."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t, (NH * D if T > 1 else 0), (D if NH > 1 else 0)
     v = in_place(t, T, NH, D)
     if v is None:
         COPIES[name] += 1
@@ -135,9 +156,8 @@ def check_args(x, z, weight, eps) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-def gated_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *, cfg=None) -> torch.Tensor:
-    """y (x's dtype and shape, contiguous). `cfg` overrides the table (benchmarks only)."""
-    D = check_args(x, z, weight, eps)
+# launchers: `_fwd` / `_bwd` assume checked arguments (the hot path); `gated_fwd` / `gated_bwd` check first.
+def _fwd(x, z, weight, eps: float, D: int, cfg=None):
     build.check_device(x, "x")
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     T, NH = _lead_shape(x)
@@ -147,19 +167,13 @@ def gated_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
     xv, sxt, sxh = _operand(x, T, NH, D, "x")
     zv, szt, szh = _operand(z, T, NH, D, "z")
     w = _weight(weight)
-    bm, bd, nw, ns = cfg or fwd_config(D, window_of(N))
-    kernels._gated_fwd_kernel[(triton.cdiv(N, bm),)](
-        xv, zv, w, y, N, NH, sxt, sxh, szt, szh, float(eps),
-        D=D, BLOCK_M=bm, BLOCK_D=bd, num_warps=nw, num_stages=ns)
+    bm, bd, nw, ns = cfg or _configs(D, N, _arch(x.device))[0]
+    kernels._gated_fwd_kernel[(_cdiv(N, bm),)](
+        xv, zv, w, y, N, NH, sxt, sxh, szt, szh, eps, D=D, BLOCK_M=bm, BLOCK_D=bd, num_warps=nw, num_stages=ns)
     return y
 
 
-def gated_bwd(dy, x, z, weight, eps: float, deterministic: bool, *, cfg=None, programs=None):
-    """(dx, dz in x's dtype and shape; dw in weight's dtype). `cfg` / `programs` override the table (benchmarks)."""
-    D = check_args(x, z, weight, eps)
-    checks.check_tensor("dy", dy, dtype=X_DTYPES)
-    if dy.shape != x.shape:
-        raise ValueError(f"dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}")
+def _bwd(dy, x, z, weight, eps: float, deterministic: bool, D: int, cfg=None, programs=None):
     build.check_device(x, "x")
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dz = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -171,26 +185,58 @@ def gated_bwd(dy, x, z, weight, eps: float, deterministic: bool, *, cfg=None, pr
     zv, szt, szh = _operand(z, T, NH, D, "z")
     gv, sgt, sgh = _operand(dy, T, NH, D, "dy")
     w = _weight(weight)
-    bm, bd, nw, ns = cfg or bwd_config(D, window_of(N))
-    P = programs or BWD_PROGRAMS[_arch(x.device)]
-    rows_per_prog = triton.cdiv(triton.cdiv(N, P), bm) * bm
-    grid = triton.cdiv(N, rows_per_prog)
+    _, bcfg, P = _configs(D, N, _arch(x.device))
+    bm, bd, nw, ns = cfg or bcfg
+    P = programs or P
+    rows_per_prog = _cdiv(_cdiv(N, P), bm) * bm
+    grid = _cdiv(N, rows_per_prog)
     dw = torch.empty(D, dtype=weight.dtype, device=x.device)
     if deterministic:
-        part = workspace.take((OP, "dw_partial"), grid * D * 4, device=x.device).view(torch.float32).view(grid, D)
-        target = part
+        target = workspace.take((OP, "dw_partial"), grid * D * 4, device=x.device).view(torch.float32)
     elif weight.dtype == torch.float32:
         target = dw.zero_()
     else:
         target = workspace.take((OP, "dw_accum"), D * 4, device=x.device).view(torch.float32).zero_()
     kernels._gated_bwd_kernel[(grid,)](
-        xv, zv, w, gv, dx, dz, target, N, NH, sxt, sxh, szt, szh, sgt, sgh, rows_per_prog, float(eps),
+        xv, zv, w, gv, dx, dz, target, N, NH, sxt, sxh, szt, szh, sgt, sgh, rows_per_prog, eps,
         D=D, BLOCK_M=bm, BLOCK_D=bd, ATOMIC=not deterministic, num_warps=nw, num_stages=ns)
     if deterministic:
-        _reduce.reduce_columns(part, dw)
+        _reduce.reduce_columns(target, grid, D, dw)
     elif weight.dtype != torch.float32:
-        _reduce.reduce_columns(target.view(1, D), dw)
+        _reduce.reduce_columns(target, 1, D, dw)
     return dx, dz, dw
+
+
+def gated_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *, cfg=None) -> torch.Tensor:
+    """y (x's dtype and shape, contiguous). `cfg` overrides the table (benchmarks only)."""
+    D = check_args(x, z, weight, eps)
+    return _fwd(x, z, weight, float(eps), D, cfg)
+
+
+def gated_bwd(dy, x, z, weight, eps: float, deterministic: bool, *, cfg=None, programs=None):
+    """(dx, dz in x's dtype and shape; dw in weight's dtype). `cfg` / `programs` override the table (benchmarks)."""
+    D = check_args(x, z, weight, eps)
+    checks.check_tensor("dy", dy, dtype=X_DTYPES)
+    if dy.shape != x.shape:
+        raise ValueError(f"dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}")
+    return _bwd(dy, x, z, weight, float(eps), deterministic, D, cfg, programs)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# eager autograd: a plain autograd.Function (a torch.library custom op costs ~100 us of host time per call in
+# eager mode); under torch.compile the custom op below is traced instead.
+class _GatedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, z, weight, eps, deterministic, D):
+        ctx.save_for_backward(x, z, weight)
+        ctx.eps, ctx.deterministic, ctx.D = eps, deterministic, D
+        return _fwd(x, z, weight, eps, D)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, z, weight = ctx.saved_tensors
+        dx, dz, dw = _bwd(dy, x, z, weight, ctx.eps, ctx.deterministic, ctx.D)
+        return dx, dz, dw, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -235,9 +281,11 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def rmsnorm_silu_gate(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """y = x * rsqrt(mean(x^2) + eps) * weight * silu(z); see `cake.gated_rmsnorm.rmsnorm_silu_gate`."""
-    check_args(x, z, weight, eps)
+    D = check_args(x, z, weight, eps)
     deterministic = config.variant(OP) == "det"
-    return _fwd_op(x, z, weight, float(eps), deterministic)
+    if torch.compiler.is_compiling():
+        return _fwd_op(x, z, weight, float(eps), deterministic)
+    return _GatedFn.apply(x, z, weight, float(eps), deterministic, D)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -264,7 +312,7 @@ def routes(*, head_dim: int):
                 dict(D=D, BLOCK_M=bm, BLOCK_D=bd, num_warps=nw, num_stages=ns),
                 f"gated_rmsnorm.fwd[D={D},w={wn},{'+'.join(v for v in WINDOWS if fwd_config(D, v) == fwd_config(D, window))}]")
             for variant in ("det", "fast"):
-                bm, bd, nw, ns = bwd_config(D, window)
+                bm, bd, nw, ns, _ = bwd_config(D, window)
                 add(kernels._gated_bwd_kernel,
                     (bf, bf, wdt, bf, bf, bf, torch.float32, 4096, 32, 32 * D, D, 32 * D, D, 32 * D, D, 16, 1e-6),
                     dict(D=D, BLOCK_M=bm, BLOCK_D=bd, ATOMIC=variant == "fast", num_warps=nw, num_stages=ns),

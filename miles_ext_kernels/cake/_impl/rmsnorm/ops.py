@@ -29,13 +29,13 @@ W_DTYPES = (torch.float32, torch.bfloat16)
 
 # ------------------------------------------------------------------------------------------------------------------
 # Fixed configuration table (no autotuning: the same table in every process gives the same bits).
-# Token-count windows: calls with T <= SMALL_T rows use the "small" configs (fewer rows per program, so short
-# calls still spread over the SMs); longer calls use "large".
+# Token-count windows: calls with T <= SMALL_T rows use the "small" forward configs (fewer rows per program, so
+# short calls still spread over the SMs); longer calls use "large". The backward is persistent: a fixed number of
+# programs per SM (not the live SM count), so the partial-row layout, and therefore the det weight gradient's bits,
+# depend only on the token count. Picked from the H200 sweep in bench/NOTES_norms.md.
 SMALL_T = 1024
 WINDOWS = ("small", "large")
-# Persistent backward programs per arch: a fixed number (not the live SM count), so the partial-row layout, and
-# therefore the det weight gradient's bits, depend only on the token count.
-BWD_PROGRAMS = {"sm_90a": 264}
+SMS = {"sm_90a": 132}
 _INTERPRETER_ARCH = "sm_90a"  # CPU tensors under the interpreter use the Hopper table
 
 
@@ -47,18 +47,40 @@ def fwd_config(H: int, window: str):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward for width H."""
     bn = _pow2(H)
     if window == "small":
-        return max(1, 2048 // bn), bn, (4 if bn <= 2048 else 8 if bn <= 4096 else 16), 1
-    return max(1, 8192 // bn), bn, (8 if bn <= 4096 else 16), 1
+        return max(1, 2048 // bn), bn, (4 if bn <= 2048 else 8), 1
+    return max(1, 8192 // bn), bn, (16 if bn >= 16384 else 8), 1
 
 
 def bwd_config(H: int, window: str):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the backward for width H (both windows: same tile)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) of the backward (both windows: same)."""
     bn = _pow2(H)
-    return max(1, 4096 // bn), bn, (8 if bn <= 4096 else 16), 1
+    if bn <= 2048:
+        return max(1, 4096 // bn), bn, 4, 1, 2
+    if bn == 4096:
+        return 1, bn, 8, 1, 2
+    return 1, bn, 16, 1, 1
 
 
 def window_of(T: int) -> str:
     return "small" if T <= SMALL_T else "large"
+
+
+_cfg_cache: dict = {}
+
+
+def _configs(H: int, T: int, arch: str):
+    """(fwd config, bwd config, backward programs) for a call, cached (a dict look-up on the hot path)."""
+    key = (H, T <= SMALL_T, arch)
+    c = _cfg_cache.get(key)
+    if c is None:
+        w = window_of(T)
+        b = bwd_config(H, w)
+        c = _cfg_cache[key] = (fwd_config(H, w), b[:4], SMS[arch] * b[4])
+    return c
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # plain ints: triton.cdiv is a jit function, ~20 us per host call
 
 
 _arch_cache: dict = {}
@@ -78,20 +100,22 @@ def _arch(device: torch.device) -> str:
 COPIES: Counter = Counter()  # how often an operand had to be copied before a launch, by argument name
 
 
-def _rows(t: torch.Tensor, H: int, name: str) -> torch.Tensor:
-    """`t` as a `[T, H]` view with unit column stride, a row stride that is a multiple of 8 elements and a 16-byte
-    aligned start (what the kernels' vector loads assume); a contiguous copy when the layout does not allow it."""
+def _rows(t: torch.Tensor, H: int, name: str):
+    """(tensor, row stride): `t` read as `[T, H]` rows with unit column stride, a row stride that is a multiple of 8
+    elements and a 16-byte aligned start (what the kernels' vector loads assume); a contiguous copy otherwise."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t, H
     if t.dim() >= 1 and t.stride(-1) == 1:
         try:
             v = t.view(-1, H)
         except RuntimeError:
             v = None
         if v is not None and (v.shape[0] <= 1 or v.stride(0) % 8 == 0) and v.data_ptr() % 16 == 0:
-            return v
+            return v, (v.stride(0) if v.shape[0] > 1 else H)
     COPIES[name] += 1
     out = torch.empty((t.numel() // H, H), dtype=t.dtype, device=t.device)
     out.copy_(t.reshape(-1, H))
-    return out
+    return out, H
 
 
 def _weight(w: torch.Tensor) -> torch.Tensor:
@@ -120,23 +144,56 @@ def check_args(x, weight, eps) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# launchers
+# launchers: `_fwd` / `_bwd` assume checked arguments (the hot path); `rmsnorm_fwd` / `rmsnorm_bwd` check first.
+def _fwd(x, weight, eps: float, H: int, cfg=None):
+    build.check_device(x, "x")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    T = x.numel() // H
+    if T == 0:
+        return y
+    x2, sx = _rows(x, H, "x")
+    w = _weight(weight)
+    bm, bn, nw, ns = cfg or _configs(H, T, _arch(x.device))[0]
+    kernels._rmsnorm_fwd_kernel[(_cdiv(T, bm),)](
+        x2, w, y, T, sx, H, eps, H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+    return y
+
+
+def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, programs=None):
+    build.check_device(x, "x")
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    T = x.numel() // H
+    if T == 0:
+        return dx, torch.zeros_like(weight, memory_format=torch.contiguous_format)
+    x2, sx = _rows(x, H, "x")
+    dy2, sdy = _rows(dy, H, "dy")
+    w = _weight(weight)
+    _, bcfg, P = _configs(H, T, _arch(x.device))
+    bm, bn, nw, ns = cfg or bcfg
+    P = programs or P
+    rows_per_prog = _cdiv(_cdiv(T, P), bm) * bm
+    grid = _cdiv(T, rows_per_prog)
+    dw = torch.empty(H, dtype=weight.dtype, device=x.device)
+    if deterministic:
+        target = workspace.take((OP, "dw_partial"), grid * H * 4, device=x.device).view(torch.float32)
+    elif weight.dtype == torch.float32:
+        target = dw.zero_()
+    else:
+        target = workspace.take((OP, "dw_accum"), H * 4, device=x.device).view(torch.float32).zero_()
+    kernels._rmsnorm_bwd_kernel[(grid,)](
+        x2, w, dy2, dx, target, T, sx, sdy, H, rows_per_prog, eps,
+        H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=not deterministic, num_warps=nw, num_stages=ns)
+    if deterministic:
+        _reduce.reduce_columns(target, grid, H, dw)
+    elif weight.dtype != torch.float32:
+        _reduce.reduce_columns(target, 1, H, dw)
+    return dx, dw
+
+
 def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *, cfg=None) -> torch.Tensor:
     """y (x's dtype and shape, contiguous). `cfg` overrides the table (benchmarks only)."""
     H = check_args(x, weight, eps)
-    build.check_device(x, "x")
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x2 = _rows(x, H, "x")
-    T = x2.shape[0]
-    if T == 0:
-        return y
-    w = _weight(weight)
-    bm, bn, nw, ns = cfg or fwd_config(H, window_of(T))
-    y2 = y.view(T, H)
-    kernels._rmsnorm_fwd_kernel[(triton.cdiv(T, bm),)](
-        x2, w, y2, T, x2.stride(0), y2.stride(0), float(eps),
-        H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
-    return y
+    return _fwd(x, weight, float(eps), H, cfg)
 
 
 def rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, deterministic: bool, *,
@@ -146,35 +203,24 @@ def rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: fl
     checks.check_tensor("dy", dy, dtype=X_DTYPES)
     if dy.shape != x.shape:
         raise ValueError(f"dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}")
-    build.check_device(x, "x")
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x2 = _rows(x, H, "x")
-    T = x2.shape[0]
-    if T == 0:
-        return dx, torch.zeros_like(weight, memory_format=torch.contiguous_format)
-    dy2 = _rows(dy, H, "dy")
-    w = _weight(weight)
-    dx2 = dx.view(T, H)
-    bm, bn, nw, ns = cfg or bwd_config(H, window_of(T))
-    P = programs or BWD_PROGRAMS[_arch(x.device)]
-    rows_per_prog = triton.cdiv(triton.cdiv(T, P), bm) * bm
-    grid = triton.cdiv(T, rows_per_prog)
-    dw = torch.empty(H, dtype=weight.dtype, device=x.device)
-    if deterministic:
-        part = workspace.take((OP, "dw_partial"), grid * H * 4, device=x.device).view(torch.float32).view(grid, H)
-        target = part
-    elif weight.dtype == torch.float32:
-        target = dw.zero_()
-    else:
-        target = workspace.take((OP, "dw_accum"), H * 4, device=x.device).view(torch.float32).zero_()
-    kernels._rmsnorm_bwd_kernel[(grid,)](
-        x2, w, dy2, dx2, target, T, x2.stride(0), dy2.stride(0), dx2.stride(0), rows_per_prog, float(eps),
-        H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=not deterministic, num_warps=nw, num_stages=ns)
-    if deterministic:
-        _reduce.reduce_columns(part, dw)
-    elif weight.dtype != torch.float32:
-        _reduce.reduce_columns(target.view(1, H), dw)
-    return dx, dw
+    return _bwd(dy, x, weight, float(eps), deterministic, H, cfg, programs)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# eager autograd: a plain autograd.Function (a torch.library custom op costs ~100 us of host time per call in
+# eager mode, more than the kernel at 32k tokens); under torch.compile the custom op below is traced instead.
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, deterministic, H):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.deterministic, ctx.H = eps, deterministic, H
+        return _fwd(x, weight, eps, H)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx, dw = _bwd(dy, x, weight, ctx.eps, ctx.deterministic, ctx.H)
+        return dx, dw, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -219,9 +265,11 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def zero_centered_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """y = x * rsqrt(mean(x^2) + eps) * (1 + weight); see `cake.rmsnorm.zero_centered_rmsnorm`."""
-    check_args(x, weight, eps)
+    H = check_args(x, weight, eps)
     deterministic = config.variant(OP) == "det"
-    return _fwd_op(x, weight, float(eps), deterministic)
+    if torch.compiler.is_compiling():
+        return _fwd_op(x, weight, float(eps), deterministic)
+    return _RMSNormFn.apply(x, weight, float(eps), deterministic, H)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -295,7 +343,7 @@ def routes(*, hidden_size: int):
             add(kernels._rmsnorm_fwd_kernel, (bf, wdt, bf, 4096, H, H, 1e-6),
                 dict(H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns), f"rmsnorm.fwd[H={H},w={wn},{'+'.join(v for v in WINDOWS if fwd_config(H, v) == fwd_config(H, window))}]")
             for variant in ("det", "fast"):
-                bm, bn, nw, ns = bwd_config(H, window)
+                bm, bn, nw, ns, _ = bwd_config(H, window)
                 add(kernels._rmsnorm_bwd_kernel, (bf, wdt, bf, bf, torch.float32, 4096, H, H, H, 16, 1e-6),
                     dict(H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=variant == "fast", num_warps=nw, num_stages=ns),
                     f"rmsnorm.bwd[H={H},w={wn},{variant},{'+'.join(v for v in WINDOWS if bwd_config(H, v) == bwd_config(H, window))}]")
