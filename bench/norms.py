@@ -75,14 +75,41 @@ def gpu_rel_rms(got, ref):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+def queued_ms(fn, warmup: int = 5, rep: int = 20) -> float:
+    """Median per-call time with calls queued back to back (events around each call, one sync at the end), as in
+    a training step where the host runs ahead: host launch overhead is hidden when it is shorter than the kernel.
+    `_common.median_ms` syncs after every call instead, so it also counts the host time of each launch."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in ev)
+    return ts[len(ts) // 2]
+
+
 def time_fwd_bwd(fn, args, grad_idx, dy):
-    """(fwd_ms, bwd_ms): forward with autograd on; backward = autograd.grad of that output (graph retained)."""
+    """(fwd_ms, bwd_ms, fwd_ms_queued, bwd_ms_queued): forward with autograd on; backward = autograd.grad of
+    that output (graph retained)."""
     leaves = [a.detach().requires_grad_(i in grad_idx) if torch.is_tensor(a) else a for i, a in enumerate(args)]
     fwd = median_ms(lambda: fn(*leaves))
+    fwd_q = queued_ms(lambda: fn(*leaves))
     y = fn(*leaves)
     inputs = [leaves[i] for i in grad_idx]
     bwd = median_ms(lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True))
-    return fwd, bwd
+    bwd_q = queued_ms(lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True))
+    return fwd, bwd, fwd_q, bwd_q
+
+
+def row(op, shape, impl, t, fb, bb):
+    f_ms, b_ms, fq, bq = t
+    return {"op": op, "shape": shape, "impl": impl, "fwd_ms": f_ms, "bwd_ms": b_ms,
+            "fwd_tbps": fb / f_ms / 1e9, "bwd_tbps": bb / b_ms / 1e9,
+            "fwd_ms_queued": fq, "bwd_ms_queued": bq, "fwd_tbps_queued": fb / fq / 1e9, "bwd_tbps_queued": bb / bq / 1e9}
 
 
 def rms_bytes(T, H):
@@ -111,12 +138,11 @@ def bench_rows(quick):
                 if variant:
                     mek.configure(rmsnorm_variant=variant)
                 try:
-                    f_ms, b_ms = time_fwd_bwd(fn, (x, w, EPS), (0, 1), dy)
+                    t = time_fwd_bwd(fn, (x, w, EPS), (0, 1), dy)
                 except Exception as e:  # noqa: BLE001
                     log(f"rmsnorm {name} failed:", repr(e)[:300])
                     continue
-                rows.append({"op": "rmsnorm", "shape": f"rmsnorm H{H} T{T // 1024}k", "impl": name,
-                             "fwd_ms": f_ms, "bwd_ms": b_ms, "fwd_tbps": fb / f_ms / 1e9, "bwd_tbps": bb / b_ms / 1e9})
+                rows.append(row("rmsnorm", f"rmsnorm H{H} T{T // 1024}k", name, t, fb, bb))
                 log(rows[-1])
             mek.configure()
         # accuracy at 8k tokens, every impl, vs FP64 on the GPU
@@ -160,12 +186,11 @@ def bench_rows(quick):
                     args, dyy = (x.view(N, D), z.view(N, D), w, EPS), dy.view(N, D)
                 else:
                     args, dyy = (x, z, w, EPS), dy
-                f_ms, b_ms = time_fwd_bwd(fn, args, (0, 1, 2), dyy)
+                t = time_fwd_bwd(fn, args, (0, 1, 2), dyy)
             except Exception as e:  # noqa: BLE001
                 log(f"gated {name} failed:", repr(e)[:300])
                 continue
-            rows.append({"op": "gated_rmsnorm", "shape": f"gated {NH}x{D} T{T // 1024}k", "impl": name,
-                         "fwd_ms": f_ms, "bwd_ms": b_ms, "fwd_tbps": fb / f_ms / 1e9, "bwd_tbps": bb / b_ms / 1e9})
+            rows.append(row("gated_rmsnorm", f"gated {NH}x{D} T{T // 1024}k", name, t, fb, bb))
             log(rows[-1])
         mek.configure()
     T = 8192
@@ -195,7 +220,7 @@ def bench_rows(quick):
 # ---------------------------------------------------------------------------------------------------------------
 def sweep(deadline):
     """Alternative fixed configs of our kernels at 32k tokens (launchers called directly), to fill the table.
-    Backward first (it matters most); `programs` is matched to how many CTAs fit on an SM."""
+    Backward first (it matters most); `programs` is matched to how many CTAs fit on an SM. Queued timing."""
     out = []
     T = 32768
     N, D = T * 32, 128
@@ -236,17 +261,17 @@ def sweep(deadline):
                 x, w, dy = data[width]
                 fb, bb = rms_bytes(T, width)
                 if kind == "rmsnorm.fwd":
-                    rec(kind, f"H{width}", cfg, P, median_ms(lambda: rops.rmsnorm_fwd(x, w, EPS, cfg=cfg)), fb)
+                    rec(kind, f"H{width}", cfg, P, queued_ms(lambda: rops.rmsnorm_fwd(x, w, EPS, cfg=cfg)), fb)
                 else:
                     rec(kind, f"H{width}", cfg, P,
-                        median_ms(lambda: rops.rmsnorm_bwd(dy, x, w, EPS, True, cfg=cfg, programs=P)), bb)
+                        queued_ms(lambda: rops.rmsnorm_bwd(dy, x, w, EPS, True, cfg=cfg, programs=P)), bb)
             else:
                 fb, bb = gated_bytes(N, D)
                 if kind == "gated.fwd":
-                    rec(kind, "32x128", cfg, P, median_ms(lambda: gops.gated_fwd(gx, gz, gw, EPS, cfg=cfg)), fb)
+                    rec(kind, "32x128", cfg, P, queued_ms(lambda: gops.gated_fwd(gx, gz, gw, EPS, cfg=cfg)), fb)
                 else:
                     rec(kind, "32x128", cfg, P,
-                        median_ms(lambda: gops.gated_bwd(gdy, gx, gz, gw, EPS, True, cfg=cfg, programs=P)), bb)
+                        queued_ms(lambda: gops.gated_bwd(gdy, gx, gz, gw, EPS, True, cfg=cfg, programs=P)), bb)
         except Exception as e:  # noqa: BLE001
             log(f"sweep {kind} {cfg} failed:", repr(e)[:300])
     return out
@@ -267,7 +292,8 @@ def main():
     log(cake.prebuild("gated_rmsnorm", head_dim=128))
     rows, errors = bench_rows(ns.quick)
     print()
-    print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tbps", "bwd_tbps"])
+    print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tbps", "bwd_tbps", "fwd_tbps_queued",
+                       "bwd_tbps_queued"])
     print()
     print_table(errors, ["op", "shape", "impl", "y", "dx", "dz", "dw"])
     sw = [] if ns.no_sweep else sweep(time.time() + ns.sweep_seconds)
