@@ -226,7 +226,7 @@ def sweep(deadline):
     N, D = T * 32, 128
 
     def rec(kind, shape, cfg, P, ms, nbytes):
-        out.append({"kernel": kind, "shape": shape, "cfg": list(cfg), "programs": P, "ms": ms,
+        out.append({"kernel": kind, "shape": shape, "cfg": list(cfg), "programs": P or "table", "ms": ms,
                     "tbps": nbytes / ms / 1e9})
         log(out[-1])
 
@@ -236,42 +236,38 @@ def sweep(deadline):
                    torch.randn(T, H, device="cuda").to(BF))
     gx, gz, gdy = (torch.randn(N, D, device="cuda").to(BF) for _ in range(3))
     gw = 1 + 0.1 * torch.randn(D, device="cuda")
-    plan = []
-    for cfg, P in [((2, 2048, 8, 1), 264), ((2, 2048, 8, 1), 528), ((1, 2048, 4, 1), 528), ((4, 2048, 16, 1), 132),
-                   ((2, 2048, 8, 2), 264), ((2, 2048, 4, 1), 264)]:
-        plan.append(("rmsnorm.bwd.det", 2048, cfg, P))
-    for cfg, P in [((1, 8192, 16, 1), 264), ((1, 8192, 16, 1), 132), ((1, 8192, 32, 1), 132),
-                   ((1, 8192, 16, 2), 132)]:
-        plan.append(("rmsnorm.bwd.det", 5120, cfg, P))
-    for cfg, P in [((32, 128, 8, 1), 264), ((32, 128, 8, 1), 132), ((16, 128, 4, 1), 396), ((16, 128, 4, 1), 264),
-                   ((32, 128, 8, 2), 132), ((64, 128, 16, 1), 132)]:
-        plan.append(("gated.bwd.det", D, cfg, P))
-    for cfg in [(4, 2048, 8, 1), (2, 2048, 4, 1), (8, 2048, 16, 1), (1, 2048, 4, 1)]:
-        plan.append(("rmsnorm.fwd", 2048, cfg, None))
-    for cfg in [(1, 8192, 16, 1), (1, 8192, 8, 1), (2, 8192, 16, 1)]:
-        plan.append(("rmsnorm.fwd", 5120, cfg, None))
-    for cfg in [(64, 128, 8, 1), (32, 128, 4, 1), (128, 128, 8, 1), (128, 128, 16, 1)]:
-        plan.append(("gated.fwd", D, cfg, None))
-    for kind, width, cfg, P in plan:
+    # (kind, width, cfg or None = the table's, programs or None = the table's, atomic weight gradient)
+    plan = [("rmsnorm.bwd", 2048, None, None, False), ("rmsnorm.bwd", 2048, None, None, True),
+            ("rmsnorm.bwd", 2048, None, 396, False), ("rmsnorm.bwd", 5120, None, None, False),
+            ("rmsnorm.bwd", 5120, None, None, True), ("gated.bwd", D, None, None, False),
+            ("gated.bwd", D, None, None, True), ("gated.bwd", D, None, 264, False),
+            ("rmsnorm.fwd", 2048, None, None, None), ("rmsnorm.fwd", 5120, None, None, None),
+            ("gated.fwd", D, None, None, None)]
+    for kind, width, cfg, P, atomic in plan:
         if time.time() > deadline:
             log("sweep: out of time")
             break
+        name = kind + (".atomic" if atomic else ".fixed-order" if atomic is False else "")
         try:
             if kind.startswith("rmsnorm"):
                 x, w, dy = data[width]
                 fb, bb = rms_bytes(T, width)
                 if kind == "rmsnorm.fwd":
-                    rec(kind, f"H{width}", cfg, P, queued_ms(lambda: rops.rmsnorm_fwd(x, w, EPS, cfg=cfg)), fb)
+                    rec(name, f"H{width}", cfg or rops.fwd_config(width, "large"), P,
+                        queued_ms(lambda: rops.rmsnorm_fwd(x, w, EPS, cfg=cfg)), fb)
                 else:
-                    rec(kind, f"H{width}", cfg, P,
-                        queued_ms(lambda: rops.rmsnorm_bwd(dy, x, w, EPS, True, cfg=cfg, programs=P)), bb)
+                    rec(name, f"H{width}", cfg or rops.bwd_config(width, "large"), P,
+                        queued_ms(lambda: rops.rmsnorm_bwd(dy, x, w, EPS, True, cfg=cfg, programs=P, atomic=atomic)),
+                        bb)
             else:
                 fb, bb = gated_bytes(N, D)
                 if kind == "gated.fwd":
-                    rec(kind, "32x128", cfg, P, queued_ms(lambda: gops.gated_fwd(gx, gz, gw, EPS, cfg=cfg)), fb)
+                    rec(name, "32x128", cfg or gops.fwd_config(D, "large"), P,
+                        queued_ms(lambda: gops.gated_fwd(gx, gz, gw, EPS, cfg=cfg)), fb)
                 else:
-                    rec(kind, "32x128", cfg, P,
-                        queued_ms(lambda: gops.gated_bwd(gdy, gx, gz, gw, EPS, True, cfg=cfg, programs=P)), bb)
+                    rec(name, "32x128", cfg or gops.bwd_config(D, "large"), P,
+                        queued_ms(lambda: gops.gated_bwd(gdy, gx, gz, gw, EPS, True, cfg=cfg, programs=P,
+                                                         atomic=atomic)), bb)
         except Exception as e:  # noqa: BLE001
             log(f"sweep {kind} {cfg} failed:", repr(e)[:300])
     return out

@@ -8,8 +8,9 @@ computed in fp32, returned in x's dtype (Qwen3NextRMSNorm's semantics; Transform
 multiple of 8 elements); the weight `[H]` is fp32 or bf16 (FSDP2 with `param_dtype=bf16`) and its gradient comes
 in its own dtype, summed over all rows of the call.
 
-Variants: det (default; every output and gradient repeats bit for bit) and fast (the weight gradient is summed
-with atomics, in no fixed order). Widths: `supported_hidden_sizes()`.
+Variants: det (default; every output and gradient repeats bit for bit) and fast (may sum the weight gradient in
+no fixed order; on the H200 the atomic sum was not faster than the fixed-order one, so today fast runs the det
+kernels). Widths: `supported_hidden_sizes()`.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def _run(x, z, w, dy, eps=1e-6):
 
 def _check(x, z, w, dy, got, eps=1e-6):
     ref = grads_ref(x, z, w, dy, eps)
-    b = demo_mod.budgets("cpu", w.dtype)
+    b = demo_mod.budgets("cpu", w.dtype, x.numel())
     for name, g, r in zip(("y", "dx", "dz", "dw"), got, ref):
         check_budget(name, g, r, b[name])
     assert got[0].dtype == BF and got[3].dtype == w.dtype and got[0].shape == x.shape
@@ -94,6 +94,15 @@ def test_head_strided_x_read_in_place():
     got = _run(x, z, w, dy)
     assert dict(ops.COPIES) == before
     _check(x, z, w, dy, got)
+
+
+@pytest.mark.parametrize("wdtype", [F32, BF])
+def test_atomic_weight_gradient_path(wdtype):
+    # off in the table (fast runs the det path), kept tested so the table can switch it on
+    x, z, w, dy = _inputs((11, 3, 64), wdtype, seed=8)
+    y = ops.gated_fwd(x, z, w, 1e-6)
+    dx, dz, dw = ops.gated_bwd(dy, x, z, w, 1e-6, False, atomic=True)
+    _check(x, z, w, dy, (y, dx, dz, dw))
 
 
 def test_zero_rows():

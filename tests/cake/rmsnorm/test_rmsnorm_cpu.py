@@ -40,7 +40,7 @@ def _run(x, w, dy, eps=1e-6):
 def _check(x, w, dy, got, eps=1e-6):
     y, dx, dw = got
     ry, rdx, rdw = grads_ref(x, w, dy, eps)
-    b = demo_mod.budgets("cpu", w.dtype)
+    b = demo_mod.budgets("cpu", w.dtype, x.numel())
     check_budget("y", y, ry, b["y"])
     check_budget("dx", dx, rdx, b["dx"])
     check_budget("dw", dw, rdw, b["dw"])
@@ -76,6 +76,15 @@ def test_strided_rows_read_in_place():
     got = _run(x_odd, w, dy)
     assert ops.COPIES["x"] == before.get("x", 0) + 2  # copied once in the forward, once in the backward
     _check(x_odd, w, dy, got)
+
+
+@pytest.mark.parametrize("wdtype", [F32, BF])
+def test_atomic_weight_gradient_path(wdtype):
+    # off in the table (fast runs the det path), kept tested so the table can switch it on
+    x, w, dy = _inputs((29, 128), wdtype, seed=7)
+    y = ops.rmsnorm_fwd(x, w, 1e-6)
+    dx, dw = ops.rmsnorm_bwd(dy, x, w, 1e-6, False, atomic=True)
+    _check(x, w, dy, (y, dx, dw))
 
 
 def test_zero_tokens():

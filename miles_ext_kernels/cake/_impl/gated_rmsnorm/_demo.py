@@ -3,17 +3,26 @@ from __future__ import annotations
 
 import torch
 
-# Accuracy budgets (relative RMS vs FP64). bf16 outputs: one bf16 ulp-level error. On the GPU the fp32 -> bf16
-# cast rounds to nearest (budget 2^-8 ~ 3.9e-3); Triton's interpreter truncates instead (measured ~ 3.3e-3 for
-# y/dx/dz and 4.1e-3 for a bf16 dw on CPU, budget 2^-7). fp32 weight gradients: fp32 summation (measured <= 2e-7).
-BF16_BUDGET = {"cuda": 2.0 ** -8, "cpu": 2.0 ** -7}
-FP32_DW_BUDGET = 2e-6
+# Accuracy budgets (relative RMS vs FP64), from our H200 run (bench/results/norms.json, 8k tokens):
+# - bf16 outputs: ours 1.66e-3 = the peers' (Liger / fla / eager: same fp32 math, one rounding to bf16), so
+#   min(peer x 1.1, 2 x ours) = 1.83e-3 on the GPU for tensors of >= 65536 elements; smaller tensors (too few
+#   elements for that statistic) get one bf16 ulp-level error, 2^-8. Triton's interpreter truncates fp32 -> bf16
+#   instead of rounding (measured ~3.3e-3 on CPU): 2^-7 there.
+# - fp32 weight gradients: fp32 summation, measured <= 1.75e-7 (GPU and CPU): budget 3.5e-7 = 2 x ours (the peers
+#   measured 1.6e-7 .. 1.75e-7 on the bench shapes).
+# - bf16 weight gradients: one rounding of the fp32 sum, measured <= 1.76e-3 on the GPU: 3.5e-3 (2^-7 on CPU).
+BF16_BUDGET = {"cuda": 1.83e-3, "cpu": 2.0 ** -7}
+SMALL_BF16_BUDGET = {"cuda": 2.0 ** -8, "cpu": 2.0 ** -7}
+BF16_DW_BUDGET = {"cuda": 3.5e-3, "cpu": 2.0 ** -7}
+FP32_DW_BUDGET = 3.5e-7
 
 
-def budgets(device: str, wdtype: torch.dtype) -> dict:
+def budgets(device: str, wdtype: torch.dtype, numel: int = 1 << 20) -> dict:
     kind = "cpu" if str(device).startswith("cpu") else "cuda"
-    b = BF16_BUDGET[kind]
-    return {"y": b, "dx": b, "dz": b, "dw": FP32_DW_BUDGET if wdtype == torch.float32 else b}
+    b = (BF16_BUDGET if numel >= 65536 else SMALL_BF16_BUDGET)[kind]
+    out = {k: b for k in ("y", "dx", "dz")}
+    out["dw"] = FP32_DW_BUDGET if wdtype == torch.float32 else BF16_DW_BUDGET[kind]
+    return out
 
 
 def demo(device: str) -> list[dict]:
@@ -41,7 +50,7 @@ def demo(device: str) -> list[dict]:
                 y.backward(dy)
                 ref = dict(zip(("y", "dx", "dz", "dw"), grads_ref(x, z, w, dy, 1e-6)))
                 got = {"y": y, "dx": xr.grad, "dz": zr.grad, "dw": wr.grad}
-                bud = budgets(device, wdt)
+                bud = budgets(device, wdt, x.numel())
                 case = f"{variant} T={T} H_v={NH} D={D} w={str(wdt).replace('torch.', '')}"
                 for k in ("y", "dx", "dz", "dw"):
                     err = rel_rms(got[k], ref[k])

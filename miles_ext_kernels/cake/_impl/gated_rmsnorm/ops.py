@@ -9,8 +9,9 @@ head strides are multiples of 8 elements and they start 16-byte aligned; z is ty
 `[q | k | v | z | b | a]` projection, whose token stride is the projection width. Anything else is copied first
 (counted in `COPIES` by argument name, so tests can tell which path ran).
 
-Variants differ only in the weight gradient: det writes one fp32 partial row per persistent backward program and
-sums the rows in a fixed order (`_common.reduce`); fast adds the rows atomically.
+Weight gradient: one fp32 partial row per persistent backward program, summed in a fixed order (`_common.reduce`).
+The kernel can add the rows atomically instead (`FAST_DW_ATOMIC`, for the fast variant); that measured no faster
+on the H200, so the table keeps it off and fast runs the det path.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ SMALL_N = 4096
 WINDOWS = ("small", "large")
 SMS = {"sm_90a": 132}  # backward programs = SMS x per-SM count from the table (fixed per arch, not the live count)
 _INTERPRETER_ARCH = "sm_90a"
+# The fast variant may add the weight-gradient rows with atomics (no fixed order). On the H200 that was not faster
+# than the fixed-order two-stage sum (bench/NOTES_norms.md, v1), and less accurate, so fast runs the det path.
+FAST_DW_ATOMIC = False
 
 
 def fwd_config(D: int, window: str):
@@ -173,7 +177,7 @@ def _fwd(x, z, weight, eps: float, D: int, cfg=None):
     return y
 
 
-def _bwd(dy, x, z, weight, eps: float, deterministic: bool, D: int, cfg=None, programs=None):
+def _bwd(dy, x, z, weight, eps: float, deterministic: bool, D: int, cfg=None, programs=None, atomic=None):
     build.check_device(x, "x")
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dz = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -191,7 +195,8 @@ def _bwd(dy, x, z, weight, eps: float, deterministic: bool, D: int, cfg=None, pr
     rows_per_prog = _cdiv(_cdiv(N, P), bm) * bm
     grid = _cdiv(N, rows_per_prog)
     dw = torch.empty(D, dtype=weight.dtype, device=x.device)
-    if deterministic:
+    atomic = (not deterministic and FAST_DW_ATOMIC) if atomic is None else atomic
+    if not atomic:
         target = workspace.take((OP, "dw_partial"), grid * D * 4, device=x.device).view(torch.float32)
     elif weight.dtype == torch.float32:
         target = dw.zero_()
@@ -199,8 +204,8 @@ def _bwd(dy, x, z, weight, eps: float, deterministic: bool, D: int, cfg=None, pr
         target = workspace.take((OP, "dw_accum"), D * 4, device=x.device).view(torch.float32).zero_()
     kernels._gated_bwd_kernel[(grid,)](
         xv, zv, w, gv, dx, dz, target, N, NH, sxt, sxh, szt, szh, sgt, sgh, rows_per_prog, eps,
-        D=D, BLOCK_M=bm, BLOCK_D=bd, ATOMIC=not deterministic, num_warps=nw, num_stages=ns)
-    if deterministic:
+        D=D, BLOCK_M=bm, BLOCK_D=bd, ATOMIC=atomic, num_warps=nw, num_stages=ns)
+    if not atomic:
         _reduce.reduce_columns(target, grid, D, dw)
     elif weight.dtype != torch.float32:
         _reduce.reduce_columns(target, 1, D, dw)
@@ -213,13 +218,14 @@ def gated_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
     return _fwd(x, z, weight, float(eps), D, cfg)
 
 
-def gated_bwd(dy, x, z, weight, eps: float, deterministic: bool, *, cfg=None, programs=None):
-    """(dx, dz in x's dtype and shape; dw in weight's dtype). `cfg` / `programs` override the table (benchmarks)."""
+def gated_bwd(dy, x, z, weight, eps: float, deterministic: bool, *, cfg=None, programs=None, atomic=None):
+    """(dx, dz in x's dtype and shape; dw in weight's dtype). `cfg` / `programs` / `atomic` override the table
+    (benchmarks)."""
     D = check_args(x, z, weight, eps)
     checks.check_tensor("dy", dy, dtype=X_DTYPES)
     if dy.shape != x.shape:
         raise ValueError(f"dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}")
-    return _bwd(dy, x, z, weight, float(eps), deterministic, D, cfg, programs)
+    return _bwd(dy, x, z, weight, float(eps), deterministic, D, cfg, programs, atomic)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -311,7 +317,7 @@ def routes(*, head_dim: int):
             add(kernels._gated_fwd_kernel, (bf, bf, wdt, bf, 4096, 32, 32 * D, D, 32 * D, D, 1e-6),
                 dict(D=D, BLOCK_M=bm, BLOCK_D=bd, num_warps=nw, num_stages=ns),
                 f"gated_rmsnorm.fwd[D={D},w={wn},{'+'.join(v for v in WINDOWS if fwd_config(D, v) == fwd_config(D, window))}]")
-            for variant in ("det", "fast"):
+            for variant in (("det", "fast") if FAST_DW_ATOMIC else ("det+fast",)):
                 bm, bd, nw, ns, _ = bwd_config(D, window)
                 add(kernels._gated_bwd_kernel,
                     (bf, bf, wdt, bf, bf, bf, torch.float32, 4096, 32, 32 * D, D, 32 * D, D, 32 * D, D, 16, 1e-6),

@@ -5,10 +5,11 @@ launch; no autograd) -> custom ops `miles_ext_kernels::cake_rmsnorm_fwd/bwd` wit
 autograd function: saves x and the weight, nothing else; rstd is recomputed in the backward, which costs no
 extra bytes) -> the public `zero_centered_rmsnorm` / `ZeroCenteredRMSNorm`.
 
-Variants: det and fast differ only in the weight gradient. det: each persistent backward program writes its fp32
-partial row into a workspace `[P, H]`, then `_common.reduce.reduce_columns` sums the rows in a fixed order. fast:
-the programs add their rows atomically into one fp32 row (order not fixed). y and dx are computed the same way in
-both, one row at a time, and always repeat bit for bit.
+Weight gradient: each persistent backward program writes its fp32 partial row into a workspace `[P, H]`, then
+`_common.reduce.reduce_columns` sums the rows in a fixed order (det). The kernel can instead add the rows
+atomically into one fp32 row (`FAST_DW_ATOMIC`, for the fast variant); that measured no faster on the H200, so the
+table keeps it off and fast runs the det path. y and dx are computed one row at a time and always repeat bit for
+bit.
 """
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ W_DTYPES = (torch.float32, torch.bfloat16)
 SMALL_T = 1024
 WINDOWS = ("small", "large")
 SMS = {"sm_90a": 132}
-_INTERPRETER_ARCH = "sm_90a"  # CPU tensors under the interpreter use the Hopper table
+_INTERPRETER_ARCH = "sm_90a"
+# The fast variant may add the weight-gradient rows with atomics (no fixed order). On the H200 that was not faster
+# than the fixed-order two-stage sum (bench/NOTES_norms.md, v1), and less accurate, so fast runs the det path.
+FAST_DW_ATOMIC = False  # CPU tensors under the interpreter use the Hopper table
 
 
 def _pow2(n: int) -> int:
@@ -159,7 +163,7 @@ def _fwd(x, weight, eps: float, H: int, cfg=None):
     return y
 
 
-def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, programs=None):
+def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, programs=None, atomic=None):
     build.check_device(x, "x")
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     T = x.numel() // H
@@ -174,7 +178,8 @@ def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, progr
     rows_per_prog = _cdiv(_cdiv(T, P), bm) * bm
     grid = _cdiv(T, rows_per_prog)
     dw = torch.empty(H, dtype=weight.dtype, device=x.device)
-    if deterministic:
+    atomic = (not deterministic and FAST_DW_ATOMIC) if atomic is None else atomic
+    if not atomic:
         target = workspace.take((OP, "dw_partial"), grid * H * 4, device=x.device).view(torch.float32)
     elif weight.dtype == torch.float32:
         target = dw.zero_()
@@ -182,8 +187,8 @@ def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, progr
         target = workspace.take((OP, "dw_accum"), H * 4, device=x.device).view(torch.float32).zero_()
     kernels._rmsnorm_bwd_kernel[(grid,)](
         x2, w, dy2, dx, target, T, sx, sdy, H, rows_per_prog, eps,
-        H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=not deterministic, num_warps=nw, num_stages=ns)
-    if deterministic:
+        H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, num_warps=nw, num_stages=ns)
+    if not atomic:
         _reduce.reduce_columns(target, grid, H, dw)
     elif weight.dtype != torch.float32:
         _reduce.reduce_columns(target, 1, H, dw)
@@ -197,13 +202,14 @@ def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *, cfg=None) 
 
 
 def rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, deterministic: bool, *,
-                cfg=None, programs=None):
-    """(dx in x's dtype and shape, dw in weight's dtype). `cfg` / `programs` override the table (benchmarks)."""
+                cfg=None, programs=None, atomic=None):
+    """(dx in x's dtype and shape, dw in weight's dtype). `cfg` / `programs` / `atomic` override the table
+    (benchmarks)."""
     H = check_args(x, weight, eps)
     checks.check_tensor("dy", dy, dtype=X_DTYPES)
     if dy.shape != x.shape:
         raise ValueError(f"dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}")
-    return _bwd(dy, x, weight, float(eps), deterministic, H, cfg, programs)
+    return _bwd(dy, x, weight, float(eps), deterministic, H, cfg, programs, atomic)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -342,7 +348,7 @@ def routes(*, hidden_size: int):
             bm, bn, nw, ns = fwd_config(H, window)
             add(kernels._rmsnorm_fwd_kernel, (bf, wdt, bf, 4096, H, H, 1e-6),
                 dict(H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns), f"rmsnorm.fwd[H={H},w={wn},{'+'.join(v for v in WINDOWS if fwd_config(H, v) == fwd_config(H, window))}]")
-            for variant in ("det", "fast"):
+            for variant in (("det", "fast") if FAST_DW_ATOMIC else ("det+fast",)):
                 bm, bn, nw, ns, _ = bwd_config(H, window)
                 add(kernels._rmsnorm_bwd_kernel, (bf, wdt, bf, bf, torch.float32, 4096, H, H, H, 16, 1e-6),
                     dict(H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=variant == "fast", num_warps=nw, num_stages=ns),
