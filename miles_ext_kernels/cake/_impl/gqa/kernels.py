@@ -103,7 +103,7 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, 
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
                 sm_scale, T_q, n_seg, n_iter, H_q, group,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
-                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PIPE: tl.constexpr, INTERPRET: tl.constexpr):
+                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % H_q
     t = pid // H_q
@@ -136,46 +136,13 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
         acc = tl.zeros([BM, D], dtype=tl.float32)
         l_i = tl.zeros([BM], dtype=tl.float32)
         m_i = tl.full([BM], float("-inf"), tl.float32)
-        # key blocks every row of the tile sees in full: [0, n_full)
-        n_full = (tl.maximum(tl.minimum(m0 + offset + 1, L_k), 0) // BN) * BN
         hi = tl.maximum(tl.minimum(L_k, m0 + BM + offset), 0)
-        if PIPE:
-            # software-pipelined: S of the next key block is issued before the softmax of this one, so the
-            # tensor cores work on Q K^T while the softmax runs (async wgmma keeps it in flight)
-            k = tl.load(kT_ptrs, mask=(offs_n < hi)[:, None], other=0.0)
-            if INTERPRET:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k))
-            for n in range(0, hi, BN):
-                kT_ptrs += BN * skt
-                kn = tl.load(kT_ptrs, mask=((n + BN + offs_n) < hi)[:, None], other=0.0)
-                if INTERPRET:
-                    kn = kn.to(tl.float32)
-                s_next = tl.dot(q, tl.trans(kn))
-                s = s * qk_scale
-                keep = ((n + offs_n)[None, :] <= (m0 + offs_m)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
-                s = tl.where(keep, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(s - m_use[:, None])
-                alpha = tl.math.exp2(m_i - m_use)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                pc = p.to(tl.bfloat16)
-                if INTERPRET:
-                    pc = pc.to(tl.float32)
-                v = tl.load(v_ptrs, mask=((n + offs_n) < hi)[:, None], other=0.0)
-                if INTERPRET:
-                    v = v.to(tl.float32)
-                acc = tl.dot(pc, v, acc * alpha[:, None])
-                m_i = m_new
-                s = s_next
-                v_ptrs += BN * svt
-        else:
-            for n in range(0, hi, BN):
-                acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k,
-                                           qk_scale, True, INTERPRET)
-                kT_ptrs += BN * skt
-                v_ptrs += BN * svt
+        # one masked loop: on triton 3.6 a second (unmasked) loop doubles the shared memory or spills registers
+        for n in range(0, hi, BN):
+            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k,
+                                       qk_scale, True, INTERPRET)
+            kT_ptrs += BN * skt
+            v_ptrs += BN * svt
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -233,10 +200,12 @@ def _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, off
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, TS,
+def _bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, CU_Q, CU_K, TS,
                    sm_scale, T_q, n_seg, n_iter, H_q, group,
-                   sqt, sqh, skt, skh, svt, svh, sdt, sdh, sdqt, sdqh,
+                   sqt, sqh, skt, skh, svt, svh, sdt, sdh, sot, soh, sdqt, sdqh,
                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr):
+    """dQ of one query tile and head; also computes delta = rowsum(dO * O) of the tile and stores it for the dK/dV
+    kernel, which runs after this one."""
     pid = tl.program_id(0)
     h = pid % H_q
     t = pid // H_q
@@ -267,11 +236,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, TS,
         lse = tl.load(LSE + h.to(tl.int64) * T_q + q0 + m0 + offs_m, mask=rvalid, other=0.0)
         lse2 = lse * 1.4426950408889634
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that see no key: P = 0
-        delta = tl.load(DELTA + h.to(tl.int64) * T_q + q0 + m0 + offs_m, mask=rvalid, other=0.0)
+        o = tl.load(O + row0 * sot + h * soh + (offs_m[:, None] * sot + offs_d[None, :]), mask=rvalid[:, None],
+                    other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + h.to(tl.int64) * T_q + q0 + m0 + offs_m, delta, mask=rvalid)
         k_ptrs = K + k0.to(tl.int64) * skt + hk * skh + (offs_n[:, None] * skt + offs_d[None, :])
         v_ptrs = V + k0.to(tl.int64) * svt + hk * svh + (offs_n[:, None] * svt + offs_d[None, :])
         dq = tl.zeros([BM, D], dtype=tl.float32)
-        n_full = (tl.maximum(tl.minimum(m0 + offset + 1, L_k), 0) // BN) * BN
         hi = tl.maximum(tl.minimum(L_k, m0 + BM + offset), 0)
         for n in range(0, hi, BN):
             dq = _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,

@@ -24,7 +24,8 @@ CONFIGS = {
     "sm_90a": {
         "fwd": dict(BM=128, BN=64, num_warps=8, num_stages=2),
         "dq": dict(BM=128, BN=64, num_warps=8, num_stages=1),
-        "dkdv": dict(BM=64, BN=64, num_warps=8, num_stages=2),
+        # S = Q K^T with 128 query rows as M: both warpgroups share the work (a 64-row M replicates it)
+        "dkdv": dict(BM=128, BN=64, num_warps=8, num_stages=1, S_ROWS=True),
         "delta": dict(BR=32, num_warps=4, num_stages=1),
         "prefix": dict(BLOCK=1024, num_warps=4, num_stages=1),
         "cast": dict(BLOCK=4096, num_warps=4, num_stages=1),
@@ -33,7 +34,7 @@ CONFIGS = {
     "interpret": {
         "fwd": dict(BM=16, BN=16, num_warps=4, num_stages=1),
         "dq": dict(BM=16, BN=16, num_warps=4, num_stages=1),
-        "dkdv": dict(BM=16, BN=16, num_warps=4, num_stages=1),
+        "dkdv": dict(BM=16, BN=16, num_warps=4, num_stages=1, S_ROWS=True),
         "delta": dict(BR=16, num_warps=4, num_stages=1),
         "prefix": dict(BLOCK=64, num_warps=4, num_stages=1),
         "cast": dict(BLOCK=1024, num_warps=4, num_stages=1),
@@ -110,8 +111,7 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
         q, k, v, out, lse, cu_q, cu_k, ts,
         float(scale), T_q, B, B.bit_length(), H_q, H_q // H_kv,
         sqt, sqh, skt, skh, svt, svh, out.stride(0), out.stride(1),
-        D=D, BM=c["BM"], BN=c["BN"], PIPE=c.get("PIPE", False), INTERPRET=INTERPRET, num_warps=c["num_warps"],
-        num_stages=c["num_stages"])
+        D=D, BM=c["BM"], BN=c["BN"], INTERPRET=INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out, lse
 
 
@@ -150,7 +150,18 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     svt, svh = _strides(v)
     sdt, sdh = _strides(do)
     sot, soh = _strides(out)
-    if T_q * H_q > 0 and "delta" in parts:
+    upper_q = _cdiv(T_q, cq["BM"]) + B
+    if not fused:
+        # dQ first: its kernel also writes delta = rowsum(dO * O), which the dK/dV kernel reads
+        if upper_q * H_q > 0 and "dq" in parts:
+            _prefix(cu_q, ts_q, cq["BM"], cfg)
+            K._bwd_dq_kernel[(upper_q * H_q,)](
+                q, k, v, do, out, lse, delta, dq, cu_q, cu_k, ts_q,
+                float(scale), T_q, B, B.bit_length(), H_q, group,
+                sqt, sqh, skt, skh, svt, svh, sdt, sdh, sot, soh, dq.stride(0), dq.stride(1),
+                D=D, BM=cq["BM"], BN=cq["BN"], INTERPRET=INTERPRET,
+                num_warps=cq["num_warps"], num_stages=cq["num_stages"])
+    elif T_q * H_q > 0 and "delta" in parts:
         K._bwd_delta_kernel[(_cdiv(T_q, cd["BR"]) * H_q,)](
             out, do, delta, T_q, H_q, sot, soh, sdt, sdh,
             D=D, BR=cd["BR"], INTERPRET=INTERPRET, num_warps=cd["num_warps"], num_stages=cd["num_stages"])
@@ -159,7 +170,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
         dqa.zero_()
     if upper_k * H_kv > 0 and "dkdv" in parts:
         _prefix(cu_k, ts_k, ckv["BN"], cfg)
-        sat, sah = (H_q * D, D) if fused else (H_q * D, D)
+        sat, sah = H_q * D, D
         K._bwd_dkdv_kernel[(upper_k * H_kv,)](
             q, k, v, do, lse, delta, dk, dv, dqa, cu_q, cu_k, ts_k,
             float(scale), T_q, T_k, B, B.bit_length(), H_kv, group,
@@ -173,16 +184,6 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
             cc = cfg["cast"]
             K._dq_cast_kernel[(_cdiv(n, cc["BLOCK"]),)](dqa, dq, n, float(scale), BLOCK=cc["BLOCK"],
                                                         num_warps=cc["num_warps"], num_stages=cc["num_stages"])
-    else:
-        upper_q = _cdiv(T_q, cq["BM"]) + B
-        if upper_q * H_q > 0 and "dq" in parts:
-            _prefix(cu_q, ts_q, cq["BM"], cfg)
-            K._bwd_dq_kernel[(upper_q * H_q,)](
-                q, k, v, do, lse, delta, dq, cu_q, cu_k, ts_q,
-                float(scale), T_q, B, B.bit_length(), H_q, group,
-                sqt, sqh, skt, skh, svt, svh, sdt, sdh, dq.stride(0), dq.stride(1),
-                D=D, BM=cq["BM"], BN=cq["BN"], INTERPRET=INTERPRET,
-                num_warps=cq["num_warps"], num_stages=cq["num_stages"])
     return dq, dk, dv
 
 
@@ -202,20 +203,20 @@ def routes(**model_params):
     def launch(c):
         return {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
 
-    # (the fwd kernel's PIPE flag and the dK/dV kernel's S_ROWS flag are part of the fixed config)
+    # (the dK/dV kernel's S_ROWS flag is part of the fixed config)
 
     c = cfg["prefix"]
     out = [Route(K._tile_prefix_kernel, (i32, i32, n, 64), (1,), {"BLOCK": c["BLOCK"], **launch(c)}, "tile_prefix")]
     c = cfg["fwd"]
     out.append(Route(K._fwd_kernel, (bf, bf, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n) + (st, sh) * 4,
-                     (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "PIPE": c.get("PIPE", False),
-                            "INTERPRET": False, **launch(c)}, "fwd"))
-    c = cfg["delta"]
-    out.append(Route(K._bwd_delta_kernel, (bf, bf, f32, n, n) + (st, sh) * 2, (1,),
-                     {"D": HEAD_DIM, "BR": c["BR"], "INTERPRET": False, **launch(c)}, "bwd_delta"))
+                     (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "INTERPRET": False, **launch(c)}, "fwd"))
+    if FAST_FUSED_DQ[arch]:
+        c = cfg["delta"]
+        out.append(Route(K._bwd_delta_kernel, (bf, bf, f32, n, n) + (st, sh) * 2, (1,),
+                         {"D": HEAD_DIM, "BR": c["BR"], "INTERPRET": False, **launch(c)}, "bwd_delta"))
     c = cfg["dq"]
-    out.append(Route(K._bwd_dq_kernel, (bf, bf, bf, bf, f32, f32, bf, i32, i32, i32, 0.0625, n, n, n, n, n)
-                     + (st, sh) * 5, (1,),
+    out.append(Route(K._bwd_dq_kernel, (bf, bf, bf, bf, bf, f32, f32, bf, i32, i32, i32, 0.0625, n, n, n, n, n)
+                     + (st, sh) * 6, (1,),
                      {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "INTERPRET": False, **launch(c)}, "bwd_dq"))
     c = cfg["dkdv"]
     for fused in (False, True) if FAST_FUSED_DQ[arch] else (False,):
