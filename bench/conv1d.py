@@ -11,6 +11,8 @@ Prints a table; writes bench/results/conv1d.json.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -94,11 +96,11 @@ def torch_fn(lens_holder):
 
 def time_impl(fn, x, w, dy, cu):
     with torch.no_grad():
-        fwd_ms = median_ms(lambda: fn(x, w, cu))
+        fwd_ms = median_ms(lambda: fn(x, w, cu), rep=30)
     xr = x.detach().requires_grad_(True)
     wr = w.detach().requires_grad_(True)
     y = fn(xr, wr, cu)
-    bwd_ms = median_ms(lambda: torch.autograd.grad(y, (xr, wr), dy, retain_graph=True))
+    bwd_ms = median_ms(lambda: torch.autograd.grad(y, (xr, wr), dy, retain_graph=True), rep=30)
     return fwd_ms, bwd_ms
 
 
@@ -116,17 +118,93 @@ def grads(fn, x, w, dy, cu):
     return y.detach(), dx, dw
 
 
+FWD_CANDIDATES = [dict(BLOCK_D=256, CHUNK=128, ROWS=8, num_warps=1), dict(BLOCK_D=128, CHUNK=128, ROWS=8, num_warps=1),
+                  dict(BLOCK_D=64, CHUNK=128, ROWS=8, num_warps=1), dict(BLOCK_D=128, CHUNK=256, ROWS=8, num_warps=1),
+                  dict(BLOCK_D=128, CHUNK=64, ROWS=8, num_warps=1), dict(BLOCK_D=256, CHUNK=128, ROWS=4, num_warps=1)]
+BWD_CANDIDATES = [dict(BLOCK_D=256, CHUNK=128, ROWS=8, num_warps=1), dict(BLOCK_D=128, CHUNK=128, ROWS=8, num_warps=1),
+                  dict(BLOCK_D=64, CHUNK=128, ROWS=8, num_warps=1), dict(BLOCK_D=128, CHUNK=256, ROWS=8, num_warps=1),
+                  dict(BLOCK_D=64, CHUNK=256, ROWS=8, num_warps=1), dict(BLOCK_D=64, CHUNK=128, ROWS=4, num_warps=1),
+                  dict(BLOCK_D=128, CHUNK=128, ROWS=4, num_warps=1)]
+
+
+def run_sweep():
+    """Time block configs of our det kernels on 16x2048 (bf16 weight) and keep the fastest fwd and bwd for the
+    rest of the run (and in the JSON); candidates are compiled in parallel first."""
+    from miles_ext_kernels.cake._runtime import build
+
+    cfgs = ops._CONFIGS["sm_90a"]
+    bf = torch.bfloat16
+    routes = []
+    for has_cu in (True, False):
+        cu_t = torch.int32 if has_cu else None
+        for c in FWD_CANDIDATES:
+            routes.append(build.Route(ops.kernels.conv1d_fwd_kernel, (bf, bf, bf, cu_t, 4096, 64, 64, 64, 8, 4), (1, 1),
+                                      ops._fwd_meta(W, 1, has_cu, 8, dict(c, num_stages=1)), "f"))
+        for c in BWD_CANDIDATES:
+            routes.append(build.Route(ops.kernels.conv1d_bwd_kernel,
+                                      (bf, bf, bf, bf, torch.float32, cu_t, 4096, 64, 64, 64, 64, 64, 8, 4), (1, 1),
+                                      ops._bwd_meta(W, 1, has_cu, 8, dict(c, num_stages=1)), "b"))
+    t0 = time.time()
+    build._compile_all(routes, None)
+    print(f"sweep: compiled {len(routes)} candidates in {time.time() - t0:.0f} s", flush=True)
+    x, w, dy, cu = make([2048] * 16, torch.bfloat16)
+    T = x.shape[0]
+    shipped = {k: dict(v) for k, v in cfgs.items()}
+    out, best = [], {}
+    for kind, cands in (("fwd", FWD_CANDIDATES), ("bwd", BWD_CANDIDATES)):
+        for c in cands:
+            ops._CONFIGS["sm_90a"] = dict(shipped, **{kind: dict(c, num_stages=1)})
+            f_ms, b_ms = time_impl(ours, x, w, dy, cu)
+            ms = f_ms if kind == "fwd" else b_ms
+            nbytes = (2 if kind == "fwd" else 3) * T * D * 2
+            out.append(dict(kind=kind, **c, ms=ms, tbps=nbytes / ms / 1e9))
+            print(out[-1], flush=True)
+            if kind not in best or ms < best[kind][0]:
+                best[kind] = (ms, dict(c, num_stages=1))
+    ops._CONFIGS["sm_90a"] = dict(shipped, fwd=best["fwd"][1], bwd=best["bwd"][1])
+    print("picked", ops._CONFIGS["sm_90a"], flush=True)
+    out_dir = os.environ.get("BENCH_OUT")
+    if out_dir:
+        Path(out_dir, "picked.json").write_text(json.dumps(ops._CONFIGS["sm_90a"]))
+    del x, w, dy
+    torch.cuda.empty_cache()
+    return out
+
+
+def write_config(cfg):
+    """Rewrite the sm_90a "fwd"/"bwd" lines of the config table in ops.py (the first two such lines)."""
+    import re
+
+    path = Path(ops.__file__)
+    src = path.read_text()
+    for kind in ("fwd", "bwd"):
+        c = cfg[kind]
+        line = (f'"{kind}": dict(BLOCK_D={c["BLOCK_D"]}, CHUNK={c["CHUNK"]}, ROWS={c["ROWS"]}, '
+                f'num_warps={c["num_warps"]}, num_stages={c["num_stages"]}),')
+        src = re.sub(rf'"{kind}": dict\(BLOCK_D=\d+, CHUNK=\d+, ROWS=\d+, num_warps=\d+, num_stages=\d+\),', line, src,
+                     count=1)
+    path.write_text(src)
+    print("wrote", path, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time a few alternative block configs")
     ap.add_argument("--prebuild", action="store_true", help="prebuild every route first (fills the cache)")
+    ap.add_argument("--write-config", action="store_true",
+                    help="with --sweep: write the picked sm_90a fwd/bwd configs into _impl/conv1d/ops.py")
     args = ap.parse_args()
     t_start = time.time()
     if args.prebuild:
         for wd in ("bfloat16", "float32"):
             print(cake.prebuild("conv1d", weight_dtype=wd), flush=True)
+    sweep = []
+    if args.sweep:
+        sweep = run_sweep()
+        if args.write_config:
+            write_config(ops._CONFIGS["sm_90a"])
     rows, errs = [], []
     lens_holder = [None]
     impls = {"cake det": ours, "cake fast": ours}
@@ -176,31 +254,6 @@ def main():
                 mek.configure()
             del x, w, dy
             torch.cuda.empty_cache()
-    sweep = []
-    if args.sweep:
-        lens_holder[0] = [2048] * 16
-        x, w, dy, cu = make([2048] * 16, torch.bfloat16)
-        T = x.shape[0]
-        shipped = {k: dict(v) for k, v in ops._CONFIGS["sm_90a"].items()}
-        for kind, cfg in (("fwd", dict(BLOCK_D=256, CHUNK=128, ROWS=4, num_warps=1)),
-                          ("fwd", dict(BLOCK_D=128, CHUNK=128, ROWS=8, num_warps=1)),
-                          ("fwd", dict(BLOCK_D=512, CHUNK=128, ROWS=8, num_warps=2)),
-                          ("fwd", dict(BLOCK_D=256, CHUNK=256, ROWS=8, num_warps=1)),
-                          ("bwd", dict(BLOCK_D=256, CHUNK=128, ROWS=4, num_warps=1)),
-                          ("bwd", dict(BLOCK_D=128, CHUNK=128, ROWS=8, num_warps=1)),
-                          ("bwd", dict(BLOCK_D=512, CHUNK=128, ROWS=8, num_warps=2)),
-                          ("bwd", dict(BLOCK_D=256, CHUNK=256, ROWS=8, num_warps=1)),
-                          ("bwd", dict(BLOCK_D=128, CHUNK=256, ROWS=8, num_warps=1))):
-            if time.time() - t_start > 120:
-                break
-            ops._CONFIGS["sm_90a"][kind] = dict(cfg, num_stages=1)
-            f_ms, b_ms = time_impl(ours, x, w, dy, cu)
-            ms = f_ms if kind == "fwd" else b_ms
-            nbytes = (2 if kind == "fwd" else 3) * T * D * 2
-            sweep.append(dict(kind=kind, **cfg, ms=ms, tbps=nbytes / ms / 1e9))
-            print(sweep[-1], flush=True)
-            ops._CONFIGS["sm_90a"] = {k: dict(v) for k, v in shipped.items()}
-        mek.configure()
     print()
     print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tbps", "bwd_tbps"])
     print()

@@ -128,9 +128,9 @@ def test_backward_runs_the_forward_variant_and_option(monkeypatch):
 
     def spy(dy, x, w, cu, act_mode, det):
         seen.append((act_mode, det))
-        return real(dy, x, w, cu, act_mode, det)
+        return real(dy, x, w, cu, act_mode)
 
-    monkeypatch.setattr(ops, "_bwd", spy)
+    monkeypatch.setattr(ops, "_bwd_op", spy)
     x, w, dy = make(12, 8, 4, seed=4)
     for fwd_cfg, bwd_cfg, want in (
             (dict(conv1d_variant="det"), dict(conv1d_variant="fast"), (1, True)),
@@ -153,8 +153,8 @@ def test_det_repeats_and_fast_agrees():
         assert torch.equal(p, q)
     mek.configure(conv1d_variant="fast")
     f = run(x, w, dy, cu)
-    assert torch.equal(f[0], a[0]) and torch.equal(f[1], a[1])  # y and dx: the same kernels
-    torch.testing.assert_close(f[2], a[2], rtol=1e-5, atol=1e-5)  # dw: another summation order
+    for p, q in zip(f, a):  # fast runs the det kernels (fixed-order dw reduction measured faster than atomics)
+        assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("bad, exc, word", [
@@ -197,7 +197,7 @@ def test_routes_declared():
     for wd in ("float32", "bfloat16"):
         rs = routes(weight_dtype=wd)
         labels = [r.label for r in rs]
-        assert len(labels) == len(set(labels)) == 3 * 2 * 2 * (2 + 6) + 3
+        assert len(labels) == len(set(labels)) == 3 * 2 * 2 * (2 + 3) + 3
     with pytest.raises(ValueError, match="weight_dtype"):
         routes(weight_dtype="float16")
 

@@ -129,7 +129,7 @@ def test_det_bitwise_fresh_process(tmp_path):
         assert torch.equal(p, q.cpu())
 
 
-def test_fast_matches_det_up_to_dw_order():
+def test_fast_runs_the_det_kernels():
     x, w, dy = make(8192, 2048, 4, seed=15)
     cu = torch.tensor([0, 5000, 8192], dtype=torch.int32, device="cuda")
     for wdt in (torch.float32, torch.bfloat16):
@@ -137,9 +137,8 @@ def test_fast_matches_det_up_to_dw_order():
         fast = run(x, w.to(wdt), dy, cu)
         mek.configure()
         det = run(x, w.to(wdt), dy, cu)
-        assert torch.equal(fast[0], det[0]) and torch.equal(fast[1], det[1])
-        torch.testing.assert_close(fast[2].float(), det[2].float(), rtol=1e-2 if wdt == torch.bfloat16 else 1e-5,
-                                   atol=1e-3 if wdt == torch.bfloat16 else 1e-4)
+        for p, q in zip(fast, det):
+            assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("variant", ["det", "fast"])

@@ -61,7 +61,7 @@ def test_prebuild_every_route_no_build_two_processes(wname, tmp_path):
         assert out.returncode == 0, out.stderr[-4000:]
         got.append(json.loads(out.stdout.strip().splitlines()[-1]))
     a, b = got
-    assert a["routes"] == b["routes"] == 3 * 2 * 2 * (2 + 6) + 3
+    assert a["routes"] == b["routes"] == 3 * 2 * 2 * (2 + 3) + 3
     assert a["generated"] == a["routes"] and b["generated"] == 0
     assert a["calls"] == b["calls"] == 2 * 3 * 2 * (2 * 2 + 2)
     dw_budget = 1e-4 if wname == "float32" else 5e-3

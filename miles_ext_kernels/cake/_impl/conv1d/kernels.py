@@ -13,8 +13,8 @@ Tap names: c_k multiplies x[t - k], i.e. c_k = weight[d, W - 1 - k].
 Backward, per row u (ascending): g[u] = dy[u] * act'(pre[u]) with pre[u] recomputed from the x window;
 dw_k += g[u] * x[u - k]; row u - k of dx receives c_k * g[u]; the W-1 open dx rows are carried as partial sums and
 row u - W + 1 is complete (stored) after row u. Programs walk W-1 rows past their chunk (lookahead) to complete
-their last rows. dw partials are per (token block, tap, channel), reduced in a fixed order by `dw_reduce_kernel`
-(det) or added with fp32 atomics (fast).
+their last rows. dw partials are per (token block, tap, channel), reduced in a fixed order by `dw_reduce_kernel` (both
+variants: fp32 atomics into [D, W] measured slower on the H200, 256-way contention per address).
 
 Runtime sizes are `do_not_specialize` so the set of compiled specializations is finite. D and the row strides are
 passed divided by ALIGN (8 when they allow it) so the compiler sees 16-byte aligned rows and vectorizes.
@@ -27,6 +27,22 @@ from ..._runtime.build import INTERPRET
 # Device helpers. Under the interpreter they stay plain Python functions: it re-patches triton.language on every
 # call of a jitted helper (milliseconds each), which would dominate the CPU tests' time.
 _helper = (lambda fn: fn) if INTERPRET else triton.jit
+
+
+# On the GPU: sigmoid from the approximate MUFU ops (ex2.approx.ftz, rcp.approx.ftz; ~2 ulp, a few instructions
+# instead of ~14 for expf + IEEE division). The interpreter cannot run inline PTX: exact formula there.
+_FAST_SIGMOID = tl.constexpr(not INTERPRET)
+
+
+@_helper
+def _sigmoid(x, FAST: tl.constexpr):
+    if FAST:
+        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950408889634],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / (1.0 + tl.exp(-x))
 
 
 @_helper
@@ -89,7 +105,7 @@ def _fwd_step(u, xu, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq, y_ptr,
     if W >= 4:
         acc += c3 * xm3
     if ACT:
-        acc = acc / (1.0 + tl.exp(-acc))
+        acc = acc * _sigmoid(acc, _FAST_SIGMOID)
     tl.store(y_ptr + u * sy + d, acc.to(y_ptr.dtype.element_ty), mask=_m(dm, u < T))
     return xu, xm1, xm2, nb, j
 
@@ -190,7 +206,7 @@ def _bwd_step(u, xu, dyu, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, 
             pre += c3 * xm3
         if ACT == 1:  # SiLU' at the pre-activation rounded to bf16
             pre = pre.to(tl.bfloat16).to(tl.float32)
-        s = 1.0 / (1.0 + tl.exp(-pre))
+        s = _sigmoid(pre, _FAST_SIGMOID)
         g = dyu * (s * (1.0 + pre * (1.0 - s)))
     if ACC_DW:
         dw0 += g * xu
@@ -221,9 +237,9 @@ def _bwd_step(u, xu, dyu, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, 
 @triton.jit(do_not_specialize=["T", "D_a", "sx_a", "sdy_a", "sdx_a", "Dp_a", "n_seq", "n_iter"])
 def conv1d_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, T, D_a, sx_a, sdy_a, sdx_a, Dp_a, n_seq, n_iter,
                       W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, ALIGN: tl.constexpr,
-                      DW_ATOMIC: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
+                      BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
     """ACT: 0 none, 1 SiLU (SiLU' at the bf16-rounded pre-activation), 2 SiLU (exact fp32 pre-activation).
-    dw_ptr: DW_ATOMIC -> fp32 [D, W] accumulator (zeroed); else fp32 partials [n_blocks, W, Dp]."""
+    dw_ptr: fp32 partials [n_blocks, W, Dp] (one row of W x Dp per token block), reduced by dw_reduce_kernel."""
     pid_t = tl.program_id(0)
     t0 = pid_t.to(tl.int64) * CHUNK
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -313,22 +329,14 @@ def conv1d_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, T, D_a, sx_a
         xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
             u, xa, ga, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
             cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, False)
-    if DW_ATOMIC:
-        tl.atomic_add(dw_ptr + d * W + (W - 1), dw0, mask=dm)
-        tl.atomic_add(dw_ptr + d * W + (W - 2), dw1, mask=dm)
-        if W >= 3:
-            tl.atomic_add(dw_ptr + d * W + (W - 3), dw2, mask=dm)
-        if W >= 4:
-            tl.atomic_add(dw_ptr + d * W + (W - 4), dw3, mask=dm)
-    else:
-        Dp = Dp_a * 8
-        base = dw_ptr + pid_t.to(tl.int64) * (W * Dp) + d
-        tl.store(base + (W - 1) * Dp, dw0, mask=dm)
-        tl.store(base + (W - 2) * Dp, dw1, mask=dm)
-        if W >= 3:
-            tl.store(base + (W - 3) * Dp, dw2, mask=dm)
-        if W >= 4:
-            tl.store(base + (W - 4) * Dp, dw3, mask=dm)
+    Dp = Dp_a * 8
+    base = dw_ptr + pid_t.to(tl.int64) * (W * Dp) + d
+    tl.store(base + (W - 1) * Dp, dw0, mask=dm)
+    tl.store(base + (W - 2) * Dp, dw1, mask=dm)
+    if W >= 3:
+        tl.store(base + (W - 3) * Dp, dw2, mask=dm)
+    if W >= 4:
+        tl.store(base + (W - 4) * Dp, dw3, mask=dm)
 
 
 @triton.jit(do_not_specialize=["n_part", "D", "Dp_a"])
