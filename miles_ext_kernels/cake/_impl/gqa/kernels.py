@@ -69,7 +69,7 @@ def _find_tile(TS, CU_A, CU_B, t, n_seg, n_iter, REVERSE: tl.constexpr):
 # forward
 @triton.jit
 def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
-               MASK: tl.constexpr, INTERPRET: tl.constexpr):
+               BN: tl.constexpr, MASK: tl.constexpr, DIAG_ONLY: tl.constexpr, INTERPRET: tl.constexpr):
     if MASK:
         kvalid = (n + offs_n) < L_k
         k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
@@ -82,8 +82,9 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, 
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASK:
-        keep = ((n + offs_n)[None, :] <= (m0 + offs_m)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
-        s = tl.where(keep, s, float("-inf"))
+        if (n + BN > m0 + offset + 1) or (not DIAG_ONLY):  # DIAG_ONLY: mask only blocks on the diagonal
+            keep = ((n + offs_n)[None, :] <= (m0 + offs_m)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
+            s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
@@ -103,7 +104,8 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, 
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
                 sm_scale, T_q, n_seg, n_iter, H_q, group,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
-                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr):
+                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DIAG_ONLY: tl.constexpr,
+                INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % H_q
     t = pid // H_q
@@ -140,7 +142,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
         # one masked loop: on triton 3.6 a second (unmasked) loop doubles the shared memory or spills registers
         for n in range(0, hi, BN):
             acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k,
-                                       qk_scale, True, INTERPRET)
+                                       qk_scale, BN, True, DIAG_ONLY, INTERPRET)
             kT_ptrs += BN * skt
             v_ptrs += BN * svt
         empty = l_i == 0.0
@@ -174,7 +176,7 @@ def _bwd_delta_kernel(O, DO, DELTA, T_q, H_q, sot, soh, sdt, sdh,
 # backward: dQ per (query tile, query head), looping key blocks in order (no atomics)
 @triton.jit
 def _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
-              MASK: tl.constexpr, INTERPRET: tl.constexpr):
+              BN: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr):
     if MASK:
         kvalid = (n + offs_n) < L_k
         k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
@@ -188,8 +190,9 @@ def _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, off
     s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.math.exp2(s - lse2[:, None])
     if MASK:
-        keep = ((n + offs_n)[None, :] <= (m0 + offs_m)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
-        p = tl.where(keep, p, 0.0)
+        if n + BN > m0 + offset + 1:  # only blocks on the causal diagonal need the mask
+            keep = ((n + offs_n)[None, :] <= (m0 + offs_m)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
+            p = tl.where(keep, p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
     dsc = ds.to(tl.bfloat16)
@@ -246,7 +249,7 @@ def _bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, CU_Q, CU_K, TS,
         hi = tl.maximum(tl.minimum(L_k, m0 + BM + offset), 0)
         for n in range(0, hi, BN):
             dq = _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
-                           True, INTERPRET)
+                           BN, True, INTERPRET)
             k_ptrs += BN * skt
             v_ptrs += BN * svt
         dq = dq * sm_scale
@@ -311,7 +314,7 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, offs
 @triton.jit
 def _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, offs_n, offs_d, n0, offset, L_q,
                   T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
-                  FUSE_DQ: tl.constexpr, INTERPRET: tl.constexpr):
+                  BN: tl.constexpr, FUSE_DQ: tl.constexpr, INTERPRET: tl.constexpr):
     """Same as `_dkdv_block`, computing S = Q K^T with the query rows as the M dimension (a 128-row M fills both
     warpgroups) and transposing P and dS (bf16) for the dV / dK products."""
     rows = m + offs_m
@@ -329,8 +332,9 @@ def _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, of
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [BM, BN]
     p = tl.math.exp2(s - lse2[:, None])
-    keep = (n0 + offs_n)[None, :] <= rows[:, None] + offset
-    p = tl.where(keep, p, 0.0)
+    if n0 + BN > m + offset + 1:  # only blocks on the causal diagonal need the mask
+        keep = (n0 + offs_n)[None, :] <= rows[:, None] + offset
+        p = tl.where(keep, p, 0.0)
     pc = p.to(tl.bfloat16)
     if INTERPRET:
         pc = pc.to(tl.float32)
@@ -398,7 +402,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU_Q, CU_K, TS,
                 if S_ROWS:
                     dk, dv = _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d,
                                            n0, offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
-                                           FUSE_DQ, INTERPRET)
+                                           BN, FUSE_DQ, INTERPRET)
                 else:
                     dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
                                          offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,

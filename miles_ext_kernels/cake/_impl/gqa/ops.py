@@ -22,7 +22,8 @@ DEFAULT_SCALE = HEAD_DIM ** -0.5
 # Nothing here depends on T or B, so a document's bits do not depend on the pack it sits in.
 CONFIGS = {
     "sm_90a": {
-        "fwd": dict(BM=128, BN=64, num_warps=8, num_stages=2),
+        # DIAG_ONLY: the causal mask is computed only for key blocks on the diagonal (a branch, not a second loop)
+        "fwd": dict(BM=128, BN=64, num_warps=8, num_stages=2, DIAG_ONLY=True),
         "dq": dict(BM=128, BN=64, num_warps=8, num_stages=1),
         # S = Q K^T with 128 query rows as M: both warpgroups share the work (a 64-row M replicates it)
         "dkdv": dict(BM=128, BN=64, num_warps=8, num_stages=1, S_ROWS=True),
@@ -32,7 +33,7 @@ CONFIGS = {
     },
     # the interpreter (CPU tests): small blocks so tiny shapes still cross tile and mask boundaries
     "interpret": {
-        "fwd": dict(BM=16, BN=16, num_warps=4, num_stages=1),
+        "fwd": dict(BM=16, BN=16, num_warps=4, num_stages=1, DIAG_ONLY=True),
         "dq": dict(BM=16, BN=16, num_warps=4, num_stages=1),
         "dkdv": dict(BM=16, BN=16, num_warps=4, num_stages=1, S_ROWS=True),
         "delta": dict(BR=16, num_warps=4, num_stages=1),
@@ -111,7 +112,8 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
         q, k, v, out, lse, cu_q, cu_k, ts,
         float(scale), T_q, B, B.bit_length(), H_q, H_q // H_kv,
         sqt, sqh, skt, skh, svt, svh, out.stride(0), out.stride(1),
-        D=D, BM=c["BM"], BN=c["BN"], INTERPRET=INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        D=D, BM=c["BM"], BN=c["BN"], DIAG_ONLY=c.get("DIAG_ONLY", False), INTERPRET=INTERPRET,
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out, lse
 
 
@@ -209,7 +211,8 @@ def routes(**model_params):
     out = [Route(K._tile_prefix_kernel, (i32, i32, n, 64), (1,), {"BLOCK": c["BLOCK"], **launch(c)}, "tile_prefix")]
     c = cfg["fwd"]
     out.append(Route(K._fwd_kernel, (bf, bf, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n) + (st, sh) * 4,
-                     (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "INTERPRET": False, **launch(c)}, "fwd"))
+                     (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "DIAG_ONLY": c.get("DIAG_ONLY", False),
+                            "INTERPRET": False, **launch(c)}, "fwd"))
     if FAST_FUSED_DQ[arch]:
         c = cfg["delta"]
         out.append(Route(K._bwd_delta_kernel, (bf, bf, f32, n, n) + (st, sh) * 2, (1,),
