@@ -7,14 +7,22 @@ from miles_ext_kernels.cake._runtime.testing import rel_rms
 
 from .reference import gdn_reference
 
-# Budgets (relative RMS vs the FP64 recurrence). cpu: 2 x our error measured through the interpreter.
-# cuda: min(1.1 x fla 0.6.0's forward error, 2 x ours) for o / final state; 2 x ours for gradients (fla's
-# backward is not trusted on triton 3.6 Hopper). See tests/cake/gdn/.
+# Budgets (relative RMS vs the FP64 recurrence), 2 x our measured errors (each rejects a 2 % error):
+# cpu: the interpreter case below ([15, 70, 50], H1/HV2, K=V=32), whose bf16 intermediates are rounded to nearest
+#   like the GPU's (kernels._rnd).
+# cuda: measured on the H200 (torch 2.11, triton 3.6.0) on LENS_GPU, H16/HV32, K=V=128, L2 norm: o 4.07e-3,
+#   ht 2.83e-3, dq 3.73e-3, dk 3.60e-3, dv 3.66e-3, dg 3.35e-3, dbeta 3.20e-3, dh0 5.2e-4 (a 2 % error scores
+#   2.0e-2 on each). fla 0.6.0's error on the same inputs tightens o / ht to min(budget, 1.1 x fla) in
+#   tests/cake/gdn/test_gdn_gpu.py when fla is installed; fla's gradients are not a reference on triton 3.6 Hopper.
 BUDGETS = {
     "cpu": {"o": 8.4e-3, "ht": 6.1e-3, "dq": 8.1e-3, "dk": 7.8e-3, "dv": 7.6e-3, "dg": 7.8e-3, "dbeta": 5.9e-3,
             "dh0": 4.8e-3},
-    "cuda": {"o": 2e-2, "ht": 2e-2, "dq": 3e-2, "dk": 3e-2, "dv": 3e-2, "dg": 3e-2, "dbeta": 3e-2, "dh0": 3e-2},
+    "cuda": {"o": 8.2e-3, "ht": 5.7e-3, "dq": 7.5e-3, "dk": 7.3e-3, "dv": 7.4e-3, "dg": 6.8e-3, "dbeta": 6.5e-3,
+             "dh0": 1.1e-3},
 }
+
+
+LENS_GPU = [15, 100, 300, 1200, 64, 1]
 
 
 def make_inputs(lens, H, HV, K, V, device, *, seed=0, h0=True, l2=True, gshift=0.0):
@@ -40,8 +48,8 @@ def make_inputs(lens, H, HV, K, V, device, *, seed=0, h0=True, l2=True, gshift=0
     return {n: (x.to(device) if x is not None else None) for n, x in out.items()}
 
 
-def run_case(inp, *, l2=True, impl=None):
-    """(ours, reference) dicts of o, ht and the gradients."""
+def run_impl(inp, *, l2=True, impl=None):
+    """Dict of o, ht and the gradients (dq, dk, dv, dg, dbeta, dh0) of one implementation."""
     from .ops import chunk_gated_delta_rule
 
     impl = impl or chunk_gated_delta_rule
@@ -52,16 +60,27 @@ def run_case(inp, *, l2=True, impl=None):
                  output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=inp["cu"])
     (o.float() * inp["do"].float()).sum().add((ht * inp["dht"]).sum()).backward()
     ours = {"o": o.detach(), "ht": ht.detach()}
-    ours.update({"d" + ("h0" if n == "h0" else n): t.grad for n, t in leaves.items()})
+    ours.update({"d" + n: t.grad for n, t in leaves.items()})
+    return ours
 
-    ref_leaves = {n: t.detach().to("cpu", torch.float64).requires_grad_(True) for n, t in leaves.items()}
-    ro, rht = gdn_reference(ref_leaves["q"], ref_leaves["k"], ref_leaves["v"], ref_leaves["g"], ref_leaves["beta"],
-                            initial_state=ref_leaves.get("h0"), output_final_state=True,
+
+def run_reference(inp, *, l2=True, device="cpu"):
+    """The FP64 per-token recurrence on the same inputs: o, ht and the gradients."""
+    leaves = {n: inp[n].detach().to(device, torch.float64).requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    if inp["h0"] is not None:
+        leaves["h0"] = inp["h0"].detach().to(device, torch.float64).requires_grad_(True)
+    ro, rht = gdn_reference(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                            initial_state=leaves.get("h0"), output_final_state=True,
                             use_qk_l2norm_in_kernel=l2, cu_seqlens=inp["cu"].cpu())
-    (ro * inp["do"].cpu().double()).sum().add((rht * inp["dht"].cpu().double()).sum()).backward()
+    (ro * inp["do"].to(device).double()).sum().add((rht * inp["dht"].to(device).double()).sum()).backward()
     ref = {"o": ro.detach(), "ht": rht.detach()}
-    ref.update({"d" + ("h0" if n == "h0" else n): t.grad for n, t in ref_leaves.items()})
-    return ours, ref
+    ref.update({"d" + n: t.grad for n, t in leaves.items()})
+    return ref
+
+
+def run_case(inp, *, l2=True, impl=None, ref_device="cpu"):
+    """(ours, reference) dicts of o, ht and the gradients."""
+    return run_impl(inp, l2=l2, impl=impl), run_reference(inp, l2=l2, device=ref_device)
 
 
 def demo(device: str) -> list[dict]:
@@ -69,13 +88,12 @@ def demo(device: str) -> list[dict]:
     if dev == "cpu":
         cases = [("docs 15+70+50, H1/HV2, K=V=32, l2", dict(lens=[15, 70, 50], H=1, HV=2, K=32, V=32), True)]
     else:
-        cases = [("docs 15+100+300+1200, H2/HV4, K=V=128, l2", dict(lens=[15, 100, 300, 1200], H=2, HV=4, K=128,
-                                                                       V=128), True),
-                 ("1 doc 700, H1/HV2, K=V=64", dict(lens=[700], H=1, HV=2, K=64, V=64), False)]
+        cases = [("docs 15+100+300+1200+64+1, H16/HV32, K=V=128, l2", dict(lens=LENS_GPU, H=16, HV=32, K=128, V=128),
+                  True)]
     rows = []
     for case, shape, l2 in cases:
         inp = make_inputs(device=device, l2=l2, **shape)
-        ours, ref = run_case(inp, l2=l2)
+        ours, ref = run_case(inp, l2=l2, ref_device=device)
         for name, got in ours.items():
             err = rel_rms(got, ref[name])
             budget = BUDGETS[dev][name]

@@ -287,7 +287,8 @@ def fwd_o_kernel(q, k, vn, gc, h, cu, table, o, scale, H, HV, K: tl.constexpr, V
     b_s = tl.where(msk, b_s * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
     b_vn = tl.load(vn + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
     b_o += _dot(_rnd(b_s, DT, INTERPRET), b_vn, INTERPRET)
-    tl.store(o + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_o, o.dtype.element_ty, INTERPRET), mask=m[:, None])
+    tl.store(o + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_o, o.dtype.element_ty, INTERPRET),
+             mask=m[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -318,7 +319,8 @@ def bwd_dvl_kernel(q, k, do, gc, cu, table, dvl, scale, H, HV, K: tl.constexpr, 
     b_st = tl.where(msk, b_st * tl.exp(tl.where(msk, b_gc[None, :] - b_gc[:, None], 0.)), 0.) * scale
     b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
     b_dv = _dot(_rnd(b_st, DT, INTERPRET), b_do, INTERPRET)
-    tl.store(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_dv, dvl.dtype.element_ty, INTERPRET), mask=m[:, None])
+    tl.store(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_dv, dvl.dtype.element_ty, INTERPRET),
+             mask=m[:, None])
 
 
 @triton.jit(do_not_specialize=["H", "HV"])

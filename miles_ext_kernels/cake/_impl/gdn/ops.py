@@ -369,7 +369,8 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
     R = build.Route
     out = []
     for X, name in ((K, "k"),):
-        out.append(R(kn.l2norm_fwd_kernel, (bf, bf, 1), (1,), dict(K=X, BR=_ROWS, INTERPRET=I, num_warps=4), f"l2norm_fwd[{name}]"))
+        out.append(R(kn.l2norm_fwd_kernel, (bf, bf, 1), (1,), dict(K=X, BR=_ROWS, INTERPRET=I, num_warps=4),
+                     f"l2norm_fwd[{name}]"))
     out.append(R(kn.fwd_prep_kernel, (bf, f32, f32, i32, i32, f32, bf, 1, 1), (1, 1),
                  dict(K=K, BT=BT, INTERPRET=I, **cw), "fwd_prep"))
     out.append(R(kn.fwd_wu_kernel, (bf, bf, f32, f32, bf, i32, i32, bf, bf, 1, 1), (1, 1),
@@ -393,6 +394,7 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
     out.append(R(kn.bwd_wy_kernel, (bf, bf, f32, f32, bf, bf, bf, i32, i32, f32, f32, bf, f32, f32, 1, 1), (1, 1),
                  dict(K=K, V=V, BT=BT, INTERPRET=I, **bw), "bwd_wy"))
     for l2 in (False, True):
-        out.append(R(kn.bwd_final_kernel, (bf, f32, bf, 1, 1, 1), (1, 1), dict(K=K, BR=_ROWS, L2=l2, INTERPRET=I, num_warps=4),
+        out.append(R(kn.bwd_final_kernel, (bf, f32, bf, 1, 1, 1), (1, 1),
+                     dict(K=K, BR=_ROWS, L2=l2, INTERPRET=I, num_warps=4),
                      f"bwd_final[l2={int(l2)}]"))
     return out
