@@ -218,8 +218,8 @@ def fwd_wu_kernel(k, v, beta, gc, A, cu, table, w, u, H, HV, K: tl.constexpr, V:
 def fwd_h_kernel(k, w, u, gc, cu, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERPRET: tl.constexpr):
     """The inter-chunk state recurrence of one sequence and value head (a BV-wide slice of V)."""
-    iv = tl.program_id(0)
-    pid = tl.program_id(1)
+    iv = tl.program_id(1)
+    pid = tl.program_id(0)  # (sequence, value head) on the unbounded grid axis
     n = pid // HV
     hv = pid % HV
     hk = hv // (HV // H)
@@ -328,8 +328,8 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, cu, dht, dh0, dhe, dd, scale, H, HV, K: 
                   BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """Reverse state recurrence: dhe[slot] = d(state at the chunk end); dd = full d(dlt); dh0."""
-    iv = tl.program_id(0)
-    pid = tl.program_id(1)
+    iv = tl.program_id(1)
+    pid = tl.program_id(0)  # (sequence, value head) on the unbounded grid axis
     n = pid // HV
     hv = pid % HV
     hk = hv // (HV // H)

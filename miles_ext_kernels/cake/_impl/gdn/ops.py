@@ -141,7 +141,7 @@ def _fwd_state(kk, w, u, gc, cu, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_
           else torch.empty(T, HV, V, dtype=dt, device=device))
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_ht else _empty0(device)
     BV = _bv(V)
-    kn.fwd_h_kernel[(V // BV, N * HV)](
+    kn.fwd_h_kernel[(N * HV, V // BV)](
         kk, w, u, gc, cu, h0 if h0 is not None else gc, h, vn, ht if want_ht else gc, H, HV,
         K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=want_ht, INTERPRET=build.INTERPRET,
         num_warps=_STATE_WARPS, num_stages=_STAGES)
@@ -234,7 +234,7 @@ def gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, 
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_dh0 else None
     dhtf = _c(dht.to(torch.float32)) if dht is not None else None
     BV = _bv(V)
-    kn.bwd_dh_kernel[(V // BV, N * HV)](
+    kn.bwd_dh_kernel[(N * HV, V // BV)](
         qn, kk, w, do, dvl, gc, cu, dhtf if dhtf is not None else gc, dh0 if want_dh0 else gc, dhe, dd,
         float(scale), H, HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhtf is not None, STORE_DH0=want_dh0,
         INTERPRET=build.INTERPRET, num_warps=_STATE_WARPS, num_stages=_STAGES)
