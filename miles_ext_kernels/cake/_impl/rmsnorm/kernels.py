@@ -32,13 +32,14 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, T, stride_x, stride_y, eps,
 def _rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, stride_x, stride_dy, stride_dx, rows_per_prog,
                         eps, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr):
     """Persistent: program p owns rows [p * rows_per_prog, (p + 1) * rows_per_prog). dx row by row; the weight
-    gradient of its rows is summed in registers, then written as partial row p of `dw_ptr` ([P, H] fp32; the
+    gradient of its rows is summed in registers (Kahan-compensated), then written as partial row p of `dw_ptr` ([P, H] fp32; the
     deterministic path) or atomically added into `dw_ptr` ([H] fp32, zeroed; the fast path)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < H
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    comp = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # Kahan compensation of acc
     start = pid * rows_per_prog
     end = tl.minimum(start + rows_per_prog, T)
     for r0 in range(start, end, BLOCK_M):
@@ -56,7 +57,12 @@ def _rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, stride_x, strid
         c = tl.sum(wdy * xhat, axis=1) / H
         dx = (wdy - xhat * c[:, None]) * rstd[:, None]
         tl.store(dx_ptr + do[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        acc += dy * xhat
+        # compensated sum over this program's rows: a program walks ~T / P rows (hundreds), and a plain fp32
+        # running sum would lose ~sqrt(rows) ulps; Kahan keeps the weight gradient within a few ulps
+        term = dy * xhat - comp
+        total = acc + term
+        comp = (total - acc) - term
+        acc = total
     dw = tl.sum(acc, axis=0)
     if ATOMIC:
         tl.atomic_add(dw_ptr + cols, dw, mask=cmask, sem="relaxed")
