@@ -2,7 +2,8 @@
 
 Peers: fla's `causal_conv1d` (Triton, backend="triton") and a PyTorch reference (F.conv1d per document in bf16 +
 SiLU, autograd backward). Qwen3-Next's shape: D = 2*16*128 + 2*32*128 = 12288 channels, 32768 tokens.
-Bytes: fwd reads x and writes y; bwd reads x and dy and writes dx (weights are negligible). Also reports each
+Bytes: fwd reads x and writes y; bwd reads x and dy and writes dx (weights are negligible). Times are medians of
+calls queued back to back (`*_synced`: one sync per call, `_common.median_ms`, which adds the host launch time). Also reports each
 implementation's relative RMS error against the FP64 reference on the main shape, and whether det repeats bits.
 Prints a table; writes bench/results/conv1d.json.
 
@@ -94,14 +95,35 @@ def torch_fn(lens_holder):
     return fwd
 
 
-def time_impl(fn, x, w, dy, cu):
+def queued_ms(fn, warmup: int = 5, rep: int = 30) -> float:
+    """Median per-call time with calls queued back to back (events around each call, one sync at the end), as in
+    a training step where the host runs ahead; `median_ms` syncs after every call, so it also counts host time."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in ev)
+    return ts[len(ts) // 2]
+
+
+def time_impl(fn, x, w, dy, cu, synced=True):
+    """(fwd_ms, bwd_ms, fwd_ms_queued, bwd_ms_queued); backward = autograd.grad of one forward (graph retained)."""
     with torch.no_grad():
-        fwd_ms = median_ms(lambda: fn(x, w, cu), rep=30)
+        f = lambda: fn(x, w, cu)  # noqa: E731
+        fwd_ms = median_ms(f, rep=30) if synced else None
+        fwd_q = queued_ms(f)
     xr = x.detach().requires_grad_(True)
     wr = w.detach().requires_grad_(True)
     y = fn(xr, wr, cu)
-    bwd_ms = median_ms(lambda: torch.autograd.grad(y, (xr, wr), dy, retain_graph=True), rep=30)
-    return fwd_ms, bwd_ms
+    b = lambda: torch.autograd.grad(y, (xr, wr), dy, retain_graph=True)  # noqa: E731
+    bwd_ms = median_ms(b, rep=30) if synced else None
+    bwd_q = queued_ms(b)
+    return fwd_ms, bwd_ms, fwd_q, bwd_q
 
 
 def rel_rms(got, ref):
@@ -154,7 +176,7 @@ def run_sweep():
     for kind, cands in (("fwd", FWD_CANDIDATES), ("bwd", BWD_CANDIDATES)):
         for c in cands:
             ops._CONFIGS["sm_90a"] = dict(shipped, **{kind: dict(c, num_stages=1)})
-            f_ms, b_ms = time_impl(ours, x, w, dy, cu)
+            _, _, f_ms, b_ms = time_impl(ours, x, w, dy, cu, synced=False)
             ms = f_ms if kind == "fwd" else b_ms
             nbytes = (2 if kind == "fwd" else 3) * T * D * 2
             out.append(dict(kind=kind, **c, ms=ms, tbps=nbytes / ms / 1e9))
@@ -228,12 +250,15 @@ def main():
             for name, fn in impls.items():
                 mek.configure(conv1d_variant=variant.get(name, "det"))
                 try:
-                    f_ms, b_ms = time_impl(fn, x, w, dy, cu)
+                    f_ms, b_ms, fq, bq = time_impl(fn, x, w, dy, cu)
                 except Exception as e:  # noqa: BLE001
                     print(f"{name} on {shape}: {e!r}")
                     continue
-                rows.append(dict(shape=shape, impl=name, fwd_ms=f_ms, bwd_ms=b_ms, fwd_tbps=fbytes / f_ms / 1e9,
-                                 bwd_tbps=bbytes / b_ms / 1e9))
+                # fwd_ms/bwd_ms: queued (kernel throughput, host overhead hidden as in training);
+                # *_synced: `_common.median_ms`, one sync per call (includes the host launch time)
+                rows.append(dict(shape=shape, impl=name, fwd_ms=fq, bwd_ms=bq, fwd_tbps=fbytes / fq / 1e9,
+                                 bwd_tbps=bbytes / bq / 1e9, fwd_ms_synced=f_ms, bwd_ms_synced=b_ms,
+                                 fwd_tbps_synced=fbytes / f_ms / 1e9, bwd_tbps_synced=bbytes / b_ms / 1e9))
                 print(rows[-1], flush=True)
             mek.configure()
             if lname == "16x2048":  # accuracy vs FP64 (exact SiLU') and bit repeatability, same inputs
@@ -255,7 +280,7 @@ def main():
             del x, w, dy
             torch.cuda.empty_cache()
     print()
-    print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tbps", "bwd_tbps"])
+    print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tbps", "bwd_tbps", "fwd_ms_synced", "bwd_ms_synced"])
     print()
     print_table(errs, ["shape", "impl", "err_y", "err_dx", "err_dw", "bits_repeat"])
     if sweep:

@@ -1,9 +1,11 @@
 """conv1d: checks, launchers, autograd and torch.library registration.
 
 Layers: kernels (kernels.py) -> launchers `_fwd` / `_bwd` (allocate, pick the config, build the grid; no autograd)
--> custom ops `miles_ext_kernels::cake_conv1d_fwd` / `cake_conv1d_bwd` (+ fake kernels, so torch.compile traces
-them) with `register_autograd` -> the public `causal_conv1d`.
-The variant and the silu-grad option are read when the forward runs (setup_context) and saved for the backward.
+-> eager: `_Conv1dFn` (torch.autograd.Function); under torch.compile: custom ops
+`miles_ext_kernels::cake_conv1d_fwd` / `cake_conv1d_bwd` (+ fake kernels) with `register_autograd`, so a fullgraph
+trace sees one opaque op (the custom-op dispatch costs host time eager calls need not pay) -> `causal_conv1d`.
+The variant and the silu-grad option are read when the forward runs and saved for the backward (under
+torch.compile: when the graph is traced).
 """
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from . import kernels
 OP = "conv1d"
 
 # Fixed configs per arch (no autotuning: the same config, hence the same bits, in every process).
-# fwd / bwd: BLOCK_D channels x CHUNK tokens per program; red: the det dw reduction.
+# fwd / bwd: BLOCK_D channels x CHUNK tokens per program, ROWS rows loaded ahead; red: the dw reduction.
+# sm_90a: picked on the H200 by `python bench/conv1d.py --sweep` (bench/NOTES_conv1d.md).
 _CONFIGS = {
     "sm_90a": {
-        "fwd": dict(BLOCK_D=256, CHUNK=128, ROWS=8, num_warps=1, num_stages=1),
-        "bwd": dict(BLOCK_D=256, CHUNK=128, ROWS=8, num_warps=1, num_stages=1),
+        "fwd": dict(BLOCK_D=128, CHUNK=64, ROWS=8, num_warps=1, num_stages=1),
+        "bwd": dict(BLOCK_D=128, CHUNK=256, ROWS=8, num_warps=1, num_stages=1),
         "red": dict(BLOCK_P=16, BLOCK_D=256, num_warps=4, num_stages=1),
     },
     # CPU tests through the interpreter: small blocks, so tiny shapes still span several programs
@@ -101,9 +104,9 @@ def _fwd(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tenso
 
 
 def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-         act_mode: int):
-    """dx, dw. Both variants run these kernels: dw partials per token block, reduced in a fixed order (fp32
-    atomics were measured slower on the H200), so fast and det give the same bits."""
+         act_mode: int, det: bool = True):
+    """dx, dw. Both variants (`det`) run these kernels: dw partials per token block, reduced in a fixed order
+    (fp32 atomics were measured slower on the H200), so fast and det give the same bits."""
     T, D = x.shape
     W = weight.shape[1]
     dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
@@ -150,8 +153,7 @@ def _(x, weight, cu_seqlens, act):
 @torch.library.custom_op("miles_ext_kernels::cake_conv1d_bwd", mutates_args=())
 def _bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
             act_mode: int, det: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # `det` is carried for the record (and a future fast path); both variants run the same kernels today
-    return _bwd(dy, x, weight, cu_seqlens, act_mode)
+    return _bwd(dy, x, weight, cu_seqlens, act_mode, det)
 
 
 @_bwd_op.register_fake
@@ -159,15 +161,18 @@ def _(dy, x, weight, cu_seqlens, act_mode, det):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
+def _modes(act: int):
+    """(det, act_mode) configured now: read when a forward runs; its backward runs what it read."""
+    det = config.variant(OP) == "det"
+    if not act:
+        return det, 0
+    return det, 2 if config.option(OP, "silu_grad_preactivation") == "fp32" else 1
+
+
 def _setup_context(ctx, inputs, output):
     x, weight, cu_seqlens, act = inputs
     ctx.save_for_backward(x, weight, cu_seqlens)
-    # read when the forward runs; the backward runs what its forward read
-    ctx.det = config.variant(OP) == "det"
-    if act:
-        ctx.act_mode = 2 if config.option(OP, "silu_grad_preactivation") == "fp32" else 1
-    else:
-        ctx.act_mode = 0
+    ctx.det, ctx.act_mode = _modes(act)
 
 
 def _backward(ctx, dy):
@@ -177,6 +182,22 @@ def _backward(ctx, dy):
 
 
 torch.library.register_autograd("miles_ext_kernels::cake_conv1d_fwd", _backward, setup_context=_setup_context)
+
+
+class _Conv1dFn(torch.autograd.Function):
+    """The eager path: the same launchers as the custom ops, without the custom-op dispatch."""
+
+    @staticmethod
+    def forward(ctx, x, weight, cu_seqlens, act, det, act_mode):
+        ctx.save_for_backward(x, weight, cu_seqlens)
+        ctx.det, ctx.act_mode = det, act_mode
+        return _fwd(x, weight, cu_seqlens, act)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, cu_seqlens = ctx.saved_tensors
+        dx, dw = _bwd(dy, x, weight, cu_seqlens, ctx.act_mode, ctx.det)
+        return dx, dw, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------- public
@@ -195,7 +216,13 @@ def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
     if not (activation is None or isinstance(activation, str)) or activation not in _ACT_NAMES:
         raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
     build.check_device(x, "x")
-    return _fwd_op(x, weight, cu_seqlens, _ACT_NAMES[activation])
+    act = _ACT_NAMES[activation]
+    if torch.compiler.is_compiling():
+        return _fwd_op(x, weight, cu_seqlens, act)
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return _fwd(x, weight, cu_seqlens, act)
+    det, act_mode = _modes(act)
+    return _Conv1dFn.apply(x, weight, cu_seqlens, act, det, act_mode)
 
 
 # ---------------------------------------------------------------------------------------------------- routes
