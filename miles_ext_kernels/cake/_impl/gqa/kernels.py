@@ -6,13 +6,23 @@ segments, so a document's bits do not depend on where it sits in the pack). `_ti
 prefix, and programs past the last tile zero the padding rows (tokens past `cu_seqlens[-1]`).
 
 Causal alignment is bottom-right per segment: query i of a segment with L_q queries and L_k keys sees keys
-j <= i + (L_k - L_q). Key blocks that every row of a query tile sees run without masks; the others with masks.
+j <= i + (L_k - L_q). Each kernel runs ONE loop over blocks and computes the causal mask only for blocks on the
+diagonal (a scalar branch): on triton 3.6 a second, unmasked loop doubled the pipeline's shared memory or spilled.
+
+Backward: `_bwd_dq_kernel` (per query tile and head, key blocks in order; also writes delta = rowsum(dO * O)), then
+`_bwd_dkdv_kernel` (per key tile and kv head, the group's query heads in a fixed order). With S_ROWS the dK/dV
+kernel computes S = Q K^T with 128 query rows as M (both warpgroups busy; a 64-row M is replicated across them)
+and transposes bf16 P and dS for the dV / dK products. FUSE_DQ (fp32 atomics for dQ inside the dK/dV kernel) and
+`_bwd_delta_kernel` serve a fused-dQ fast variant that no arch config selects today (slower on sm_90a).
 
 Interpreter (CPU tests): bf16 arithmetic is wrong there, so under `INTERPRET` operands are upcast to fp32 after
 the bf16 rounding the GPU path does, and the dots run in fp32.
 
-Triton 3.6 on Hopper miscompiles `tl.trans` of a `tl.dot` result fed to another `tl.dot` (see TRITON.md): the
-backward computes transposed products directly (S^T = K Q^T) and only transposes loaded tiles.
+Triton 3.6 on Hopper can miscompile `tl.trans` of a `tl.dot` result fed to another `tl.dot` at some block sizes
+(see TRITON.md). The S_ROWS dK/dV path does transpose bf16 P and dS; at the shipped sm_90a config (BM 128, BN 64,
+8 warps, 1 stage) its dQ/dK/dV match the FP64 reference within FA2's error on the GPU tests
+(tests/cake/gqa/test_gqa_gpu.py), which guard it. Changing that config needs those tests re-run on the GPU. The
+S^T path (S_ROWS=False, `_dkdv_block`) transposes only loaded tiles.
 """
 import triton
 import triton.language as tl
