@@ -209,6 +209,20 @@ def write_config(cfg):
     print("wrote", path, flush=True)
 
 
+def add_budgets(errs, peer="fla causal_conv1d"):
+    """DESIGN.md budgets per tensor: min(peer error x 1.1, 2 x our error); `ok` says whether ours is within."""
+    for e in errs:
+        if not e["impl"].startswith("cake"):
+            continue
+        p = next((q for q in errs if q["impl"] == peer and q["shape"] == e["shape"]), None)
+        if p is None:
+            continue
+        for t in ("y", "dx", "dw"):
+            e[f"budget_{t}"] = min(1.1 * p[f"err_{t}"], 2.0 * e[f"err_{t}"])
+        e["ok"] = all(e[f"err_{t}"] <= e[f"budget_{t}"] for t in ("y", "dx", "dw"))
+    return errs
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-fla", action="store_true")
@@ -281,8 +295,10 @@ def main():
             torch.cuda.empty_cache()
     print()
     print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tbps", "bwd_tbps", "fwd_ms_synced", "bwd_ms_synced"])
+    add_budgets(errs)
     print()
-    print_table(errs, ["shape", "impl", "err_y", "err_dx", "err_dw", "bits_repeat"])
+    print_table(errs, ["shape", "impl", "err_y", "err_dx", "err_dw", "bits_repeat", "budget_y", "budget_dx",
+                       "budget_dw", "ok"])
     if sweep:
         print()
         print_table(sweep, ["kind", "BLOCK_D", "CHUNK", "ROWS", "num_warps", "ms", "tbps"])
