@@ -81,12 +81,17 @@ def _cdiv(a: int, b: int) -> int:
 _arch_cache: dict = {}
 
 
-def _arch(device: torch.device) -> str:
-    if device.type != "cuda":
-        return _INTERPRETER_ARCH
-    arch = _arch_cache.get(device.index)
+def _arch(x: torch.Tensor) -> str:
+    """The arch whose config table a call on `x` uses; the first call per CUDA device runs `build.check_device`
+    (clear errors for unserved devices), later ones are one dict look-up. CPU tensors: checked every call (they
+    run only through the interpreter) and use the Hopper table."""
+    idx = x.get_device()
+    arch = _arch_cache.get(idx) if idx >= 0 else None
     if arch is None:
-        arch = _arch_cache[device.index] = build.device_arch(device)
+        build.check_device(x, "x")
+        if idx < 0:
+            return _INTERPRETER_ARCH
+        arch = _arch_cache[idx] = build.device_arch(x.device)
     return arch
 
 
@@ -162,7 +167,7 @@ def check_args(x, z, weight, eps) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 # launchers: `_fwd` / `_bwd` assume checked arguments (the hot path); `gated_fwd` / `gated_bwd` check first.
 def _fwd(x, z, weight, eps: float, D: int, cfg=None):
-    build.check_device(x, "x")
+    arch = _arch(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     T, NH = _lead_shape(x)
     N = T * NH
@@ -171,14 +176,14 @@ def _fwd(x, z, weight, eps: float, D: int, cfg=None):
     xv, sxt, sxh = _operand(x, T, NH, D, "x")
     zv, szt, szh = _operand(z, T, NH, D, "z")
     w = _weight(weight)
-    bm, bd, nw, ns = cfg or _configs(D, N, _arch(x.device))[0]
+    bm, bd, nw, ns = cfg or _configs(D, N, arch)[0]
     kernels._gated_fwd_kernel[(_cdiv(N, bm),)](
         xv, zv, w, y, N, NH, sxt, sxh, szt, szh, eps, D=D, BLOCK_M=bm, BLOCK_D=bd, num_warps=nw, num_stages=ns)
     return y
 
 
 def _bwd(dy, x, z, weight, eps: float, deterministic: bool, D: int, cfg=None, programs=None, atomic=None):
-    build.check_device(x, "x")
+    arch = _arch(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dz = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     T, NH = _lead_shape(x)
@@ -189,7 +194,7 @@ def _bwd(dy, x, z, weight, eps: float, deterministic: bool, D: int, cfg=None, pr
     zv, szt, szh = _operand(z, T, NH, D, "z")
     gv, sgt, sgh = _operand(dy, T, NH, D, "dy")
     w = _weight(weight)
-    _, bcfg, P = _configs(D, N, _arch(x.device))
+    _, bcfg, P = _configs(D, N, arch)
     bm, bd, nw, ns = cfg or bcfg
     P = programs or P
     rows_per_prog = _cdiv(_cdiv(N, P), bm) * bm

@@ -90,12 +90,17 @@ def _cdiv(a: int, b: int) -> int:
 _arch_cache: dict = {}
 
 
-def _arch(device: torch.device) -> str:
-    if device.type != "cuda":
-        return _INTERPRETER_ARCH
-    arch = _arch_cache.get(device.index)
+def _arch(x: torch.Tensor) -> str:
+    """The arch whose config table a call on `x` uses; the first call per CUDA device runs `build.check_device`
+    (clear errors for unserved devices), later ones are one dict look-up. CPU tensors: checked every call (they
+    run only through the interpreter) and use the Hopper table."""
+    idx = x.get_device()
+    arch = _arch_cache.get(idx) if idx >= 0 else None
     if arch is None:
-        arch = _arch_cache[device.index] = build.device_arch(device)
+        build.check_device(x, "x")
+        if idx < 0:
+            return _INTERPRETER_ARCH
+        arch = _arch_cache[idx] = build.device_arch(x.device)
     return arch
 
 
@@ -150,21 +155,21 @@ def check_args(x, weight, eps) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 # launchers: `_fwd` / `_bwd` assume checked arguments (the hot path); `rmsnorm_fwd` / `rmsnorm_bwd` check first.
 def _fwd(x, weight, eps: float, H: int, cfg=None):
-    build.check_device(x, "x")
+    arch = _arch(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     T = x.numel() // H
     if T == 0:
         return y
     x2, sx = _rows(x, H, "x")
     w = _weight(weight)
-    bm, bn, nw, ns = cfg or _configs(H, T, _arch(x.device))[0]
+    bm, bn, nw, ns = cfg or _configs(H, T, arch)[0]
     kernels._rmsnorm_fwd_kernel[(_cdiv(T, bm),)](
         x2, w, y, T, sx, H, eps, H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
     return y
 
 
 def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, programs=None, atomic=None):
-    build.check_device(x, "x")
+    arch = _arch(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     T = x.numel() // H
     if T == 0:
@@ -172,7 +177,7 @@ def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, progr
     x2, sx = _rows(x, H, "x")
     dy2, sdy = _rows(dy, H, "dy")
     w = _weight(weight)
-    _, bcfg, P = _configs(H, T, _arch(x.device))
+    _, bcfg, P = _configs(H, T, arch)
     bm, bn, nw, ns = cfg or bcfg
     P = programs or P
     rows_per_prog = _cdiv(_cdiv(T, P), bm) * bm
