@@ -269,12 +269,13 @@ def test_det_bits_fresh_process(tmp_path):
 
 @pytest.mark.multi_gpu
 def test_det_bits_two_gpus():
+    """Same bits on cuda:0 and cuda:1; the second call's tensors sit on cuda:1 while cuda:0 is current."""
     a = [t.cpu() for t in _bits("det")]
-    with torch.cuda.device(1):
-        mek.configure(gqa_variant="det")
-        lens, hq, hkv = [900, 400, 1], 8, 2
-        inp = _inputs(lens, lens, hq, hkv, pad_q=50, pad_k=50, seed=7, dev="cuda:1")
-        b = [t.cpu() for t in _run(*inp)]
+    assert torch.cuda.current_device() == 0
+    mek.configure(gqa_variant="det")
+    lens, hq, hkv = [900, 400, 1], 8, 2
+    inp = _inputs(lens, lens, hq, hkv, pad_q=50, pad_k=50, seed=7, dev="cuda:1")
+    b = [t.cpu() for t in _run(*inp)]
     _equal(a, b)
 
 
