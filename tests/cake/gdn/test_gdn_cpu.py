@@ -61,12 +61,13 @@ def _fp32_case(lens, H, HV, K, V, l2, keep, h0=True):
     return errs
 
 
-@pytest.mark.parametrize("l2, keep", [(True, True), (False, False)])
-def test_math_exact_in_fp32(l2, keep):
+@pytest.mark.parametrize("l2, keep, dims", [(True, True, (1, 2, 32, 32)), (False, False, (1, 2, 32, 32)),
+                                            (True, False, (2, 4, 16, 64))])
+def test_math_exact_in_fp32(l2, keep, dims):
     """The kernels' algebra (chunking, WY form, state recurrence, every gradient) with fp32 intermediates matches the
     FP64 recurrence to fp32 rounding: varlen with a document shorter than a chunk and one spanning chunk borders,
     initial and final states, GQA heads, the L2-norm mode, kept and recomputed states."""
-    errs = _fp32_case([15, 70, 50], 1, 2, 32, 32, l2, keep)
+    errs = _fp32_case([15, 70, 50], *dims, l2, keep)
     assert set(errs) == {"o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
     for name, err in errs.items():
         assert err < 5e-6, (name, err, errs)
