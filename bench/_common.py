@@ -59,6 +59,23 @@ def median_ms(fn, warmup: int = 5, rep: int = 20, setup=None) -> float:
     return times[len(times) // 2]
 
 
+def queued_ms(fn, warmup: int = 5, rep: int = 30) -> float:
+    """Median per-call time with calls queued back to back (events around each call, one sync at the end), as in a
+    training step where the host runs ahead: host launch overhead is hidden when it is shorter than the kernel.
+    `median_ms` syncs after every call instead, so it also counts each launch's host time."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return times[len(times) // 2]
+
+
 def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Path:
     """Write `bench/results/<name>.json` (env + rows) and return its path; $BENCH_OUT (a folder) gets a copy."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import COPY_TBPS, median_ms, print_table, write_results  # noqa: E402
+from _common import COPY_TBPS, median_ms, print_table, queued_ms, write_results  # noqa: E402
 
 import miles_ext_kernels as mek  # noqa: E402
 from miles_ext_kernels import cake  # noqa: E402
@@ -93,22 +93,6 @@ def torch_fn(lens_holder):
             outs.append(F.conv1d(F.pad(seg, (W - 1, 0)), wt, groups=D)[0].t())
         return F.silu(torch.cat(outs, 0))
     return fwd
-
-
-def queued_ms(fn, warmup: int = 5, rep: int = 30) -> float:
-    """Median per-call time with calls queued back to back (events around each call, one sync at the end), as in
-    a training step where the host runs ahead; `median_ms` syncs after every call, so it also counts host time."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in ev)
-    return ts[len(ts) // 2]
 
 
 def time_impl(fn, x, w, dy, cu, synced=True):

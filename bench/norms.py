@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from _common import COPY_TBPS, median_ms, print_table, write_results  # noqa: E402
+from _common import COPY_TBPS, median_ms, print_table, queued_ms, write_results  # noqa: E402
 
 import miles_ext_kernels as mek  # noqa: E402
 from miles_ext_kernels import cake  # noqa: E402
@@ -75,23 +75,6 @@ def gpu_rel_rms(got, ref):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def queued_ms(fn, warmup: int = 5, rep: int = 20) -> float:
-    """Median per-call time with calls queued back to back (events around each call, one sync at the end), as in
-    a training step where the host runs ahead: host launch overhead is hidden when it is shorter than the kernel.
-    `_common.median_ms` syncs after every call instead, so it also counts the host time of each launch."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in ev)
-    return ts[len(ts) // 2]
-
-
 def time_fwd_bwd(fn, args, grad_idx, dy):
     """(fwd_ms, bwd_ms, fwd_ms_queued, bwd_ms_queued): forward with autograd on; backward = autograd.grad of
     that output (graph retained)."""

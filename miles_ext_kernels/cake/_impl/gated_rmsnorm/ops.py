@@ -9,7 +9,7 @@ head strides are multiples of 8 elements and they start 16-byte aligned; z is ty
 `[q | k | v | z | b | a]` projection, whose token stride is the projection width. Anything else is copied first
 (counted in `COPIES` by argument name, so tests can tell which path ran).
 
-Weight gradient: one fp32 partial row per persistent backward program, summed in a fixed order (`_common.reduce`).
+Weight gradient: one fp32 partial row per persistent backward program, summed in a fixed order (`_runtime.reduce`).
 The kernel can add the rows atomically instead (`FAST_DW_ATOMIC`, for the fast variant); that measured no faster
 on the H200, so the table keeps it off and fast runs the det path.
 """
@@ -21,7 +21,7 @@ import torch
 import triton
 
 from miles_ext_kernels.cake import gated_rmsnorm as _decl
-from miles_ext_kernels.cake._impl._common import reduce as _reduce
+from miles_ext_kernels.cake._runtime import reduce as _reduce
 from miles_ext_kernels.cake._runtime import build, checks, config, workspace
 
 from . import kernels

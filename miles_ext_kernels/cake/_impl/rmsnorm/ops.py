@@ -6,7 +6,7 @@ autograd function: saves x and the weight, nothing else; rstd is recomputed in t
 extra bytes) -> the public `zero_centered_rmsnorm` / `ZeroCenteredRMSNorm`.
 
 Weight gradient: each persistent backward program writes its fp32 partial row into a workspace `[P, H]`, then
-`_common.reduce.reduce_columns` sums the rows in a fixed order (det). The kernel can instead add the rows
+`_runtime.reduce.reduce_columns` sums the rows in a fixed order (det). The kernel can instead add the rows
 atomically into one fp32 row (`FAST_DW_ATOMIC`, for the fast variant); that measured no faster on the H200, so the
 table keeps it off and fast runs the det path. y and dx are computed one row at a time and always repeat bit for
 bit.
@@ -19,7 +19,7 @@ import torch
 import triton
 
 from miles_ext_kernels.cake import rmsnorm as _decl
-from miles_ext_kernels.cake._impl._common import reduce as _reduce
+from miles_ext_kernels.cake._runtime import reduce as _reduce
 from miles_ext_kernels.cake._runtime import build, checks, config, workspace
 
 from . import kernels

@@ -1,5 +1,7 @@
 """Fixed-order column reduction of per-program partial rows: the second stage of a deterministic weight gradient.
 
+Shared by the norms (rmsnorm, gated_rmsnorm): one piece of code for one job, so it lives in the runtime.
+
 A backward kernel that runs `P` persistent programs writes one fp32 partial row each into a `[P, N]` workspace;
 `reduce_columns` sums those rows column by column in a fixed order (a fixed number of rows per step, then one
 fixed-shape tree inside the program) and writes the result in the gradient's dtype. The order depends only on

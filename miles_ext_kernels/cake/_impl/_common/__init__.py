@@ -1,1 +1,0 @@
-"""Kernel helpers shared by several ops (candidates for the runtime)."""
