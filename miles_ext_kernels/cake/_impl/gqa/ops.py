@@ -9,7 +9,6 @@ import contextlib
 import math
 
 import torch
-import triton
 
 from ..._runtime import checks, config, workspace
 from ..._runtime.build import INTERPRET, check_device
