@@ -82,4 +82,6 @@ def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
     Returns y [T, D] bfloat16 (contiguous). The variant (det/fast) and the silu-grad option are read when the call
     runs; the backward runs what its forward read.
     """
-    return OP.impl().causal_conv1d(x, weight, cu_seqlens=cu_seqlens, activation=activation)
+    from ._impl import conv1d as impl  # a static import: torch.compile traces it (importlib it cannot)
+
+    return impl.causal_conv1d(x, weight, cu_seqlens=cu_seqlens, activation=activation)

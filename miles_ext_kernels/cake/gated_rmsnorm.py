@@ -49,4 +49,6 @@ def rmsnorm_silu_gate(x, z, weight, eps: float = 1e-6):
     call runs (det unless `configure(gated_rmsnorm_variant="fast")`) decides how the backward sums the weight
     gradient; the backward runs its forward's variant.
     """
-    return OP.impl().rmsnorm_silu_gate(x, z, weight, eps)
+    from ._impl import gated_rmsnorm as impl  # a static import: torch.compile traces it (importlib it cannot)
+
+    return impl.rmsnorm_silu_gate(x, z, weight, eps)

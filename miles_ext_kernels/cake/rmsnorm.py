@@ -52,7 +52,9 @@ def zero_centered_rmsnorm(x, weight, eps: float = 1e-6):
     The variant configured when the call runs (det unless `configure(rmsnorm_variant="fast")`) decides how the
     backward sums the weight gradient; the backward runs its forward's variant.
     """
-    return OP.impl().zero_centered_rmsnorm(x, weight, eps)
+    from ._impl import rmsnorm as impl  # a static import: torch.compile traces it (importlib it cannot)
+
+    return impl.zero_centered_rmsnorm(x, weight, eps)
 
 
 class _ImplClass(type):

@@ -178,7 +178,6 @@ def test_bad_input_raises_before_launch(bad, exc, word, monkeypatch):
 
 
 def test_torch_compile_fullgraph_traces():
-    conv1d.OP.impl()  # the lazy implementation import cannot happen inside a dynamo trace (runtime limitation)
     x, w, dy = make(16, 8, 4, seed=6)
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
 
@@ -220,3 +219,24 @@ def test_shift_reference_matches_conv1d_reference():
                 b = causal_conv1d_ref_shift(x, w, dy, cu, act, round_preactivation=rnd)
                 for p, q in zip(a, b):
                     torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+def test_torch_compile_before_the_implementation_is_imported():
+    """The first call of an entry point may happen inside a dynamo trace: the declaration's lazy import must trace."""
+    import subprocess
+    import sys
+    import textwrap
+
+    root = __file__.rsplit("/tests/", 1)[0]
+    script = textwrap.dedent("""
+        import sys, torch
+        from miles_ext_kernels.cake import conv1d
+        assert "miles_ext_kernels.cake._impl.conv1d" not in sys.modules
+        x = torch.randn(12, 8, dtype=torch.bfloat16)
+        w = torch.randn(8, 4)
+        f = torch.compile(lambda x, w: conv1d.causal_conv1d(x, w), fullgraph=True, backend="aot_eager")
+        print(float(f(x, w).float().abs().sum()) > 0)
+    """)
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stderr[-2000:]
