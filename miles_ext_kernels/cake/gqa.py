@@ -107,5 +107,7 @@ def varlen_gqa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_k, s
       torch.compile(fullgraph=True) traces it (custom ops `miles_ext_kernels::gqa_fwd` / `gqa_bwd`).
     - Variant (det / fast) as configured when the call runs; see the module docstring for what each promises.
     """
-    return OP.impl().varlen_gqa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k=max_seqlen_k,
-                                          softmax_scale=softmax_scale, return_lse=return_lse)
+    from ._impl import gqa as impl  # a static import: torch.compile traces it (importlib it cannot)
+
+    return impl.varlen_gqa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k=max_seqlen_k,
+                                     softmax_scale=softmax_scale, return_lse=return_lse)

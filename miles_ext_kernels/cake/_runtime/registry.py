@@ -12,7 +12,13 @@ import importlib
 from .spec import OpSpec
 
 # The shipped ops, in the order the command line and the docs list them. Adding an op = one line here.
-_OP_MODULES: tuple[str, ...] = ("gqa", "rmsnorm", "gated_rmsnorm", "conv1d", "gdn")
+_OP_MODULES: tuple[str, ...] = (  # one per line: adding an op touches one line
+    "gqa",
+    "rmsnorm",
+    "gated_rmsnorm",
+    "conv1d",
+    "gdn",
+)
 
 _EXTRA: dict[str, OpSpec] = {}
 
