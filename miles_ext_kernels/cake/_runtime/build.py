@@ -42,26 +42,34 @@ def device_arch(device=None) -> str:
     return arch
 
 
-_checked_devices: dict[Any, str] = {}
+# Arch name for CPU tensors run through the interpreter: ops key an "interpreter" config table by it.
+INTERPRETER_ARCH = "interpreter"
+
+_arch_by_index: dict[int, str] = {}  # CUDA device index -> arch (checked once per device)
 
 
-def check_device(t, name: str, archs: tuple[str, ...] = ("sm_90a",)) -> None:
-    """Raise a clear error unless tensor `t` sits where the op's kernels can run.
+def check_device(t, name: str, archs: tuple[str, ...] = ("sm_90a",)) -> str:
+    """The arch whose config table a call on tensor `t` uses; a clear error unless the op's kernels can run there.
 
     CUDA tensors: the device's arch must be in `archs` (NotImplementedError otherwise). CPU tensors run only
-    through Triton's interpreter (TRITON_INTERPRET=1), which tests use. Cached per device: a dict look-up per call.
+    through Triton's interpreter (TRITON_INTERPRET=1, which tests use) and get `INTERPRETER_ARCH`. The hot path is
+    `t.get_device()` and one dict look-up: the arch of each device is computed once.
     """
-    dev = t.device
-    if dev.type == "cuda":
-        arch = _checked_devices.get(dev.index)
+    idx = t.get_device()
+    arch = _arch_by_index.get(idx)
+    if arch is not None and arch in archs:
+        return arch
+    if idx >= 0:
         if arch is None:
-            arch = device_arch(dev)
-            _checked_devices[dev.index] = arch
+            import torch
+
+            arch = _arch_by_index[idx] = device_arch(torch.device("cuda", idx))
         if arch not in archs:
             raise NotImplementedError(f"{name} is on a {arch} GPU; this op serves {archs}")
-        return
+        return arch
+    dev = t.device
     if dev.type == "cpu" and INTERPRET:
-        return
+        return INTERPRETER_ARCH
     if dev.type == "cpu":
         raise ValueError(f"{name} is a CPU tensor: cake ops run on CUDA GPUs (CPU tensors only through Triton's "
                          f"interpreter, TRITON_INTERPRET=1, set before import)")

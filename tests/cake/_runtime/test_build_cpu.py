@@ -35,7 +35,7 @@ def test_no_gpu_gives_clear_errors():
     with pytest.raises(RuntimeError, match="no CUDA GPU"):
         cake.device_arch()
     if build.INTERPRET:
-        build.check_device(torch.zeros(1), "x")  # CPU tensors run through the interpreter
+        assert build.check_device(torch.zeros(1), "x") == build.INTERPRETER_ARCH  # CPU: through the interpreter
     with pytest.raises(RuntimeError):
         cake.prebuild("synthetic", width=8)
 

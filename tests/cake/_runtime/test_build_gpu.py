@@ -28,6 +28,9 @@ def op(tmp_path, monkeypatch):
 def test_device_arch_served():
     assert cake.device_arch() == "sm_90a"
     assert cake.device_arch("cuda:0") == "sm_90a"
+    assert build.check_device(torch.zeros(1, device="cuda"), "x") == "sm_90a"
+    with pytest.raises(NotImplementedError, match="x is on a sm_90a GPU"):
+        build.check_device(torch.zeros(1, device="cuda"), "x", archs=("sm_100a",))
 
 
 def test_prebuild_then_no_build(op):

@@ -38,16 +38,6 @@ _CONFIGS = {
 
 _WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _ACT_NAMES = {None: 0, "silu": 1, "swish": 1}
-_arch_by_index: dict = {}
-
-
-def _arch(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "interpreter"
-    arch = _arch_by_index.get(device.index)
-    if arch is None:
-        arch = _arch_by_index[device.index] = build.device_arch(device)
-    return arch
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +84,7 @@ def _fwd(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tenso
     x = _aligned(x)
     w = _aligned(weight.contiguous())
     cu, n_seq, n_iter = _prep_cu(cu_seqlens)
-    cfg = _CONFIGS[_arch(x.device)]["fwd"]
+    cfg = _CONFIGS[build.check_device(x, "x")]["fwd"]
     sx = x.stride(0) if T > 1 else D
     align = _align(D, sx)
     grid = (triton.cdiv(T, cfg["CHUNK"]), triton.cdiv(D, cfg["BLOCK_D"]))
@@ -120,7 +110,7 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Op
     x = _aligned(x)
     w = _aligned(weight.contiguous())
     cu, n_seq, n_iter = _prep_cu(cu_seqlens)
-    cfgs = _CONFIGS[_arch(x.device)]
+    cfgs = _CONFIGS[build.check_device(x, "x")]
     cfg = cfgs["bwd"]
     sx = x.stride(0) if T > 1 else D
     sdy = dy.stride(0) if T > 1 else D

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..._runtime import checks, config, workspace
-from ..._runtime.build import INTERPRET, check_device
+from ..._runtime.build import INTERPRET, INTERPRETER_ARCH, check_device
 from . import kernels as K
 
 OP_NAME = "gqa"
@@ -32,7 +32,7 @@ CONFIGS = {
         "cast": dict(BLOCK=4096, num_warps=4, num_stages=1),
     },
     # the interpreter (CPU tests): small blocks so tiny shapes still cross tile and mask boundaries
-    "interpret": {
+    INTERPRETER_ARCH: {
         "fwd": dict(BM=16, BN=16, num_warps=4, num_stages=1, DIAG_ONLY=True),
         "dq": dict(BM=16, BN=16, num_warps=4, num_stages=1),
         "dkdv": dict(BM=16, BN=16, num_warps=4, num_stages=1, S_ROWS=True),
@@ -43,17 +43,9 @@ CONFIGS = {
 }
 
 # fast variant: dQ summed with fp32 atomics inside the dK/dV kernel (False: fast runs the det kernels)
-FAST_FUSED_DQ = {"sm_90a": False, "interpret": False}
+FAST_FUSED_DQ = {"sm_90a": False, INTERPRETER_ARCH: False}
 
 SCRATCH_ROLE = (OP_NAME, "bwd_scratch")
-
-
-def _arch_of(t: torch.Tensor) -> str:
-    if t.device.type != "cuda":
-        return "interpret"
-    from ..._runtime.build import device_arch
-
-    return device_arch(t.device)
 
 
 def _cdiv(a, b):
@@ -91,7 +83,7 @@ def _prefix(cu: torch.Tensor, ts: torch.Tensor, tile: int, cfg) -> None:
 # launchers
 def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     """out [T_q, H_q, D] (q's dtype), lse fp32 [H_q, T_q]. Operands already checked."""
-    cfg = cfg or CONFIGS[_arch_of(q)]
+    cfg = cfg or CONFIGS[check_device(q, "q")]
     q, k, v = _ready(q), _ready(k), _ready(v)
     cu_q, cu_k = _cu_ready(cu_q), _cu_ready(cu_k)
     T_q, H_q, D = q.shape
@@ -124,7 +116,7 @@ def _align(n: int) -> int:
 def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, cfg=None, fused=None,
                  parts=("delta", "dkdv", "dq")):
     """(dq, dk, dv) in the dtypes of q, k, v. `cfg`, `fused` and `parts` override the config (benchmarks only)."""
-    arch = _arch_of(q)
+    arch = check_device(q, "q")
     cfg = cfg or CONFIGS[arch]
     if fused is None:
         fused = variant == "fast" and FAST_FUSED_DQ[arch]

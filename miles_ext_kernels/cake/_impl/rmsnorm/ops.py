@@ -87,21 +87,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # plain ints: triton.cdiv is a jit function, ~20 us per host call
 
 
-_arch_cache: dict = {}
-
-
 def _arch(x: torch.Tensor) -> str:
-    """The arch whose config table a call on `x` uses; the first call per CUDA device runs `build.check_device`
-    (clear errors for unserved devices), later ones are one dict look-up. CPU tensors: checked every call (they
-    run only through the interpreter) and use the Hopper table."""
-    idx = x.get_device()
-    arch = _arch_cache.get(idx) if idx >= 0 else None
-    if arch is None:
-        build.check_device(x, "x")
-        if idx < 0:
-            return _INTERPRETER_ARCH
-        arch = _arch_cache[idx] = build.device_arch(x.device)
-    return arch
+    """The arch whose config table a call on `x` uses (checked by the runtime, cached per device); CPU tensors run
+    through the interpreter with the Hopper table."""
+    arch = build.check_device(x, "x")
+    return _INTERPRETER_ARCH if arch == build.INTERPRETER_ARCH else arch
 
 
 # ------------------------------------------------------------------------------------------------------------------
