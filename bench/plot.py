@@ -2,7 +2,9 @@
 
 Each results file has rows with `shape`, `impl`, `fwd_ms`, `bwd_ms` and either `fwd_tflops`/`bwd_tflops` or
 `fwd_tbps`/`bwd_tbps`; the plot shows, per shape, one bar per implementation for forward and backward.
-Usage: python bench/plot.py [results.json ...]   (default: every file in bench/results)
+Usage: python bench/plot.py [--readme] [results.json ...]
+  default: the latest file of each benchmark (bench/results/<name>.json; versioned files such as gqa_v4.json are
+  history and are skipped). --readme also rewrites README.md's results section (tables + plots) from those files.
 """
 import json
 import sys
@@ -48,7 +50,41 @@ def plot(path: Path) -> Path:
     return out
 
 
+def markdown(path: Path) -> str:
+    """The README table of one results file: per shape and implementation, ms and the metric, fwd and bwd."""
+    doc = json.loads(path.read_text())
+    rows = doc["rows"]
+    metric = "tflops" if any("fwd_tflops" in r for r in rows) else "tbps"
+    unit = "TFLOP/s" if metric == "tflops" else "TB/s"
+    fmt = lambda v, p: "—" if v is None else f"{v:.{p}f}"  # noqa: E731
+    lines = [f"**{doc['bench']}** — {doc.get('gpu', '?')}, torch {doc.get('torch')}, triton {doc.get('triton')}, "
+             f"{doc.get('date')} (`bench/results/{path.name}`)", "",
+             f"| shape | impl | fwd ms | bwd ms | fwd {unit} | bwd {unit} |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['impl']} | {fmt(r.get('fwd_ms'), 3)} | {fmt(r.get('bwd_ms'), 3)} | "
+                     f"{fmt(r.get(f'fwd_{metric}'), 2)} | {fmt(r.get(f'bwd_{metric}'), 2)} |")
+    lines += ["", f"![{doc['bench']}](bench/plots/{path.stem}.png)", ""]
+    return "\n".join(lines)
+
+
+START, END = "<!-- bench-results:start -->", "<!-- bench-results:end -->"
+
+
+def write_readme(files) -> None:
+    readme = HERE.parent / "README.md"
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"README.md lacks the markers {START} / {END}")
+    body = "\n".join(markdown(f) for f in files)
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{body}\n{END}{tail}")
+
+
 if __name__ == "__main__":
-    files = [Path(p) for p in sys.argv[1:]] or sorted((HERE / "results").glob("*.json"))
+    args = [a for a in sys.argv[1:] if a != "--readme"]
+    files = [Path(p) for p in args] or sorted(p for p in (HERE / "results").glob("*.json") if "_" not in p.stem)
     for f in files:
         print(plot(f))
+    if "--readme" in sys.argv[1:]:
+        write_readme(files)
