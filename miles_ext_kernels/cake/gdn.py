@@ -57,6 +57,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     initial_state. Bad operands raise ValueError / TypeError naming the argument before any launch. No
     device->host synchronisation (cu_seqlens stays on the device and is trusted: 0 = c_0 <= ... <= c_N = T).
     """
-    return OP.impl().chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                            output_final_state=output_final_state,
-                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+    from ._impl import gdn as impl  # a static import: torch.compile traces it (importlib it cannot)
+
+    return impl.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state,
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
