@@ -10,7 +10,7 @@ Variants (the backward runs the variant its forward ran):
   query heads in a fixed order, dQ sums key blocks in order in its own pass.
 - fast (miles' command-line default): out, LSE, dK and dV as det (same kernels); dQ may be summed with fp32
   atomics (in no fixed order), so its low bits may differ run to run. On sm_90a the fast variant currently
-  runs the det kernels (the atomic dQ was slower there, see bench/NOTES_gqa.md), so it gives det's bits.
+  runs the det kernels (the atomic dQ was slower there, see bench/NOTES.md, gqa), so it gives det's bits.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ OP = "conv1d"
 
 # Fixed configs per arch (no autotuning: the same config, hence the same bits, in every process).
 # fwd / bwd: BLOCK_D channels x CHUNK tokens per program, ROWS rows loaded ahead; red: the dw reduction.
-# sm_90a: picked on the H200 by `python bench/conv1d.py --sweep` (bench/NOTES_conv1d.md).
+# sm_90a: picked on the H200 by `python bench/conv1d.py --sweep` (bench/NOTES.md, conv1d).
 _CONFIGS = {
     "sm_90a": {
         "fwd": dict(BLOCK_D=128, CHUNK=64, ROWS=8, num_warps=1, num_stages=1),

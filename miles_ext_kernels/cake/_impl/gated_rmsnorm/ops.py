@@ -37,7 +37,7 @@ WINDOWS = ("small", "large")
 SMS = {"sm_90a": 132}  # backward programs = SMS x per-SM count from the table (fixed per arch, not the live count)
 _INTERPRETER_ARCH = "sm_90a"
 # The fast variant may add the weight-gradient rows with atomics (no fixed order). On the H200 that was not faster
-# than the fixed-order two-stage sum (bench/NOTES_norms.md, v1), and less accurate, so fast runs the det path.
+# than the fixed-order two-stage sum (bench/NOTES.md, norms, v1), and less accurate, so fast runs the det path.
 FAST_DW_ATOMIC = False
 
 
@@ -51,7 +51,7 @@ def fwd_config(D: int, window: str):
 
 def bwd_config(D: int, window: str):
     """(BLOCK_M, BLOCK_D, num_warps, num_stages, programs per SM) of the backward (both windows: same).
-    From the H200 sweep (bench/NOTES_norms.md): 8192-element tiles, 16 warps, one program per SM."""
+    From the H200 sweep (bench/NOTES.md, norms): 8192-element tiles, 16 warps, one program per SM."""
     bd = triton.next_power_of_2(D)
     return max(1, 8192 // bd), bd, 16, 1, 1
 

@@ -33,13 +33,13 @@ W_DTYPES = (torch.float32, torch.bfloat16)
 # Token-count windows: calls with T <= SMALL_T rows use the "small" forward configs (fewer rows per program, so
 # short calls still spread over the SMs); longer calls use "large". The backward is persistent: a fixed number of
 # programs per SM (not the live SM count), so the partial-row layout, and therefore the det weight gradient's bits,
-# depend only on the token count. Picked from the H200 sweep in bench/NOTES_norms.md.
+# depend only on the token count. Picked from the H200 sweep in bench/NOTES.md, norms.
 SMALL_T = 1024
 WINDOWS = ("small", "large")
 SMS = {"sm_90a": 132}
 _INTERPRETER_ARCH = "sm_90a"
 # The fast variant may add the weight-gradient rows with atomics (no fixed order). On the H200 that was not faster
-# than the fixed-order two-stage sum (bench/NOTES_norms.md, v1), and less accurate, so fast runs the det path.
+# than the fixed-order two-stage sum (bench/NOTES.md, norms, v1), and less accurate, so fast runs the det path.
 FAST_DW_ATOMIC = False  # CPU tensors under the interpreter use the Hopper table
 
 
