@@ -25,7 +25,7 @@ def plot(path: Path) -> Path:
     unit = "TFLOP/s" if metric == "tflops" else "TB/s"
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(shapes) * 2), 4.5), sharey=False)
+    fig, axes = plt.subplots(2, 1, figsize=(max(7, 1.2 * len(shapes) + 2), 8))
     width = 0.8 / max(1, len(impls))
     for ax, phase in zip(axes, ("fwd", "bwd")):
         for j, impl in enumerate(impls):
@@ -60,6 +60,14 @@ def markdown(path: Path) -> str:
     lines = [f"**{doc['bench']}** — {doc.get('gpu', '?')}, torch {doc.get('torch')}, triton {doc.get('triton')}, "
              f"{doc.get('date')} (`bench/results/{path.name}`)", "",
              f"| shape | impl | fwd ms | bwd ms | fwd {unit} | bwd {unit} |", "|---|---|---|---|---|---|"]
+    if any("fwd_ms_synced" in r for r in rows):
+        lines.insert(1, "Times: calls queued back to back (`queued_ms`, host launch hidden as in a training step); the "
+                        "JSON also has `*_synced` (one sync per call).")
+    elif any("fwd_ms_queued" in r for r in rows):
+        lines.insert(1, "Times: one sync per call (`median_ms`, host launch time included); the JSON also has "
+                        "`*_queued` (calls back to back).")
+    else:
+        lines.insert(1, "Times: one sync per call (`median_ms`).")
     for r in rows:
         lines.append(f"| {r['shape']} | {r['impl']} | {fmt(r.get('fwd_ms'), 3)} | {fmt(r.get('bwd_ms'), 3)} | "
                      f"{fmt(r.get(f'fwd_{metric}'), 2)} | {fmt(r.get(f'bwd_{metric}'), 2)} |")
