@@ -83,7 +83,8 @@ def _param(text: str):
 def cmd_prebuild(ns) -> int:
     from miles_ext_kernels import cake
 
-    res = cake.prebuild(ns.op, device=ns.device, max_workers=ns.max_workers, **dict(ns.param or []))
+    device = int(ns.device) if ns.device is not None and ns.device.isdigit() else ns.device  # "0" -> cuda:0
+    res = cake.prebuild(ns.op, device=device, max_workers=ns.max_workers, **dict(ns.param or []))
     print(res)
     for label in res.routes:
         print(f"  {label}")
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("op", help="op name, e.g. gqa")
     p.add_argument("--param", action="append", type=_param, metavar="KEY=VALUE",
                    help="model parameter the op's prebuild needs (repeatable), e.g. --param hidden_size=2048")
-    p.add_argument("--device", default=None, help="CUDA device (default: the current one)")
+    p.add_argument("--device", default=None, help="CUDA device, e.g. 0 or cuda:1 (default: the current one)")
     p.add_argument("--max-workers", type=int, default=None, help="parallel compile threads")
     p = sub.add_parser("bench", help="run bench/<op>.py (extra arguments are passed on)")
     p.add_argument("op")

@@ -42,6 +42,12 @@ def device_arch(device=None) -> str:
     return arch
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on host ints, for launch grids. (`triton.cdiv` is a jitted function in triton 3.9: ~5-20 us per
+    host call, which matters on the launch path of memory-bound ops.)"""
+    return -(-a // b)
+
+
 # Arch name for CPU tensors run through the interpreter: ops key an "interpreter" config table by it.
 INTERPRETER_ARCH = "interpreter"
 

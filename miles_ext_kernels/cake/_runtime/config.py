@@ -111,7 +111,11 @@ def _resolve_variant(spec: OpSpec, given: str | None, deterministic: bool, *, fr
 # --------------------------------------------------------------------------------------------------------------
 # the miles hooks
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every op's flags to miles' parser (see module docstring). Returns the parser."""
+    """Add every op's flags to miles' parser (see module docstring). Returns the parser.
+
+    Call it after miles has added its own flags (as miles' extension hook does): a flag miles already has
+    (`--deterministic-mode`, a backend selector) is left alone; one it lacks is added here so the parser is complete.
+    """
     have = set(parser._option_string_actions)  # includes the flags of every argument group
     dests = {a.dest for a in parser._actions}
     group = parser.add_argument_group("miles_ext_kernels (cake ops)")

@@ -5,7 +5,9 @@ it). With the bound at 0 (the default, `--cake-workspace-pool-bytes`) nothing is
 `torch.empty` on the current stream, and the buffer dies with the call. Above 0 the pool keeps one buffer per
 (device, stream, role), grows it on demand, and evicts least-recently-used buffers of the same device to stay
 under the bound. A buffer is only ever handed to work on the stream it is keyed by, so stream order alone makes
-reuse safe. A stream that is capturing a CUDA graph allocates outside the pool (the graph's private pool owns
+reuse safe — given that one host thread at a time enqueues an op's launches on a stream (as autograd's per-device
+thread does): an op that launches two kernels around one buffer must not be interleaved with another thread's call
+of the same op on the same stream. A stream that is capturing a CUDA graph allocates outside the pool (the graph's private pool owns
 that memory). A lock keeps the pool consistent across threads (autograd runs backward on its own threads).
 """
 from __future__ import annotations
@@ -52,7 +54,7 @@ def take(role, nbytes: int, *, device=None, stream=None) -> torch.Tensor:
     """A uint8 buffer of `nbytes` (undefined content) for `role` on `device` / `stream` (default: current)."""
     bound = config.pool_bytes()
     if bound == 0:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device if device is not None else _normalize(None))
+        return _empty(nbytes, _normalize(device), stream)
     device = _normalize(device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         with _lock:

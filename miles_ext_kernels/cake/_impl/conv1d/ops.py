@@ -62,12 +62,9 @@ def _align(D: int, *strides: int) -> int:
     return 8 if D % 8 == 0 and all(s % 8 == 0 for s in strides) else 1
 
 
-def _fwd_meta(W: int, act: int, has_cu: bool, align: int, cfg: dict) -> dict:
+def _meta(W: int, act: int, has_cu: bool, align: int, cfg: dict) -> dict:
+    """Constexprs + launch options of a forward or backward launch (the backward's `act` is its SiLU-grad mode)."""
     return dict(W=W, ACT=act, HAS_CU=has_cu, ALIGN=align, **cfg)
-
-
-def _bwd_meta(W: int, act_mode: int, has_cu: bool, align: int, cfg: dict) -> dict:
-    return dict(W=W, ACT=act_mode, HAS_CU=has_cu, ALIGN=align, **cfg)
 
 
 def _red_meta(W: int, cfg: dict) -> dict:
@@ -87,9 +84,9 @@ def _fwd(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tenso
     cfg = _CONFIGS[build.check_device(x, "x")]["fwd"]
     sx = x.stride(0) if T > 1 else D
     align = _align(D, sx)
-    grid = (triton.cdiv(T, cfg["CHUNK"]), triton.cdiv(D, cfg["BLOCK_D"]))
+    grid = (build.cdiv(T, cfg["CHUNK"]), build.cdiv(D, cfg["BLOCK_D"]))
     kernels.conv1d_fwd_kernel[grid](x, w, y, cu, T, D // align, sx // align, D // align, n_seq, n_iter,
-                                    **_fwd_meta(W, act, cu is not None, align, cfg))
+                                    **_meta(W, act, cu is not None, align, cfg))
     return y
 
 
@@ -115,16 +112,16 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Op
     sx = x.stride(0) if T > 1 else D
     sdy = dy.stride(0) if T > 1 else D
     align = _align(D, sx, sdy)
-    n_blocks = triton.cdiv(T, cfg["CHUNK"])
-    grid = (n_blocks, triton.cdiv(D, cfg["BLOCK_D"]))
-    Dp = triton.cdiv(D, 8) * 8
+    n_blocks = build.cdiv(T, cfg["CHUNK"])
+    grid = (n_blocks, build.cdiv(D, cfg["BLOCK_D"]))
+    Dp = build.cdiv(D, 8) * 8
     part = workspace.take((OP, "dw_partial"), n_blocks * W * Dp * 4, device=x.device).view(torch.float32)
     kernels.conv1d_bwd_kernel[grid](x, w, dy, dx, part, cu, T, D // align, sx // align, sdy // align,
                                     D // align, Dp // 8, n_seq, n_iter,
-                                    **_bwd_meta(W, act_mode, cu is not None, align, cfg))
+                                    **_meta(W, act_mode, cu is not None, align, cfg))
     dw = torch.empty((D, W), dtype=weight.dtype, device=x.device)
     red = cfgs["red"]
-    kernels.dw_reduce_kernel[(triton.cdiv(D, red["BLOCK_D"]), W)](part, dw, n_blocks, D, Dp // 8,
+    kernels.dw_reduce_kernel[(build.cdiv(D, red["BLOCK_D"]), W)](part, dw, n_blocks, D, Dp // 8,
                                                                   **_red_meta(W, red))
     return dx, dw
 
@@ -233,13 +230,13 @@ def routes(*, weight_dtype: str):
                 for act in (0, 1):
                     out.append(build.Route(
                         kernels.conv1d_fwd_kernel, (bf, wdt, bf, cu, 4096, 64, 64, 64, 8, 4), (1, 1),
-                        _fwd_meta(W, act, has_cu, align, cfgs["fwd"]),
+                        _meta(W, act, has_cu, align, cfgs["fwd"]),
                         f"fwd[W={W},act={act},cu={int(has_cu)},align={align}]"))
                 for act_mode in (0, 1, 2):
                     out.append(build.Route(
                         kernels.conv1d_bwd_kernel,
                         (bf, wdt, bf, bf, torch.float32, cu, 4096, 64, 64, 64, 64, 64, 8, 4), (1, 1),
-                        _bwd_meta(W, act_mode, has_cu, align, cfgs["bwd"]),
+                        _meta(W, act_mode, has_cu, align, cfgs["bwd"]),
                         f"bwd[W={W},act={act_mode},cu={int(has_cu)},align={align}]"))
         out.append(build.Route(kernels.dw_reduce_kernel, (torch.float32, wdt, 64, 512, 64), (1, 1),
                                _red_meta(W, cfgs["red"]), f"dw_reduce[W={W}]"))

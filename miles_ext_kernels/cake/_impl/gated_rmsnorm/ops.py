@@ -74,10 +74,6 @@ def _configs(D: int, N: int, arch: str):
     return c
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # plain ints: triton.cdiv is a jit function, ~20 us per host call
-
-
 def _arch(x: torch.Tensor) -> str:
     """The arch whose config table a call on `x` uses (checked by the runtime, cached per device); CPU tensors run
     through the interpreter with the Hopper table."""
@@ -167,7 +163,7 @@ def _fwd(x, z, weight, eps: float, D: int, cfg=None):
     zv, szt, szh = _operand(z, T, NH, D, "z")
     w = _weight(weight)
     bm, bd, nw, ns = cfg or _configs(D, N, arch)[0]
-    kernels._gated_fwd_kernel[(_cdiv(N, bm),)](
+    kernels._gated_fwd_kernel[(build.cdiv(N, bm),)](
         xv, zv, w, y, N, NH, sxt, sxh, szt, szh, eps, D=D, BLOCK_M=bm, BLOCK_D=bd, num_warps=nw, num_stages=ns)
     return y
 
@@ -187,8 +183,8 @@ def _bwd(dy, x, z, weight, eps: float, deterministic: bool, D: int, cfg=None, pr
     _, bcfg, P = _configs(D, N, arch)
     bm, bd, nw, ns = cfg or bcfg
     P = programs or P
-    rows_per_prog = _cdiv(_cdiv(N, P), bm) * bm
-    grid = _cdiv(N, rows_per_prog)
+    rows_per_prog = build.cdiv(build.cdiv(N, P), bm) * bm
+    grid = build.cdiv(N, rows_per_prog)
     dw = torch.empty(D, dtype=weight.dtype, device=x.device)
     atomic = (not deterministic and FAST_DW_ATOMIC) if atomic is None else atomic
     if not atomic:

@@ -161,12 +161,8 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     K = x.shape[-1]
     y = torch.empty_like(x)
     R = x.numel() // K
-    kn.l2norm_fwd_kernel[(triton_cdiv(R, _ROWS),)](x, y, R, K=K, BR=_ROWS, INTERPRET=build.INTERPRET, num_warps=4)
+    kn.l2norm_fwd_kernel[(build.cdiv(R, _ROWS),)](x, y, R, K=K, BR=_ROWS, INTERPRET=build.INTERPRET, num_warps=4)
     return y
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state):
@@ -180,7 +176,7 @@ def gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final
     else:
         N = cu_seqlens.numel() - 1
         cu = _c(cu_seqlens.to(torch.int32))
-    P = triton_cdiv(Tt, BT) + N
+    P = build.cdiv(Tt, BT) + N
     table = _chunk_table(cu, N, P)
     q, k, v = _c(q), _c(k), _c(v)
     gf = _c(g.to(torch.float32))
@@ -251,7 +247,7 @@ def gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, 
                            INTERPRET=build.INTERPRET, num_warps=_BIG_WARPS, num_stages=_STAGES)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    fgrid = (triton_cdiv(Tt, _ROWS), H)
+    fgrid = (build.cdiv(Tt, _ROWS), H)
     kn.bwd_final_kernel[fgrid](q, dqv, dq, Tt, H, HV, K=K, BR=_ROWS, L2=use_l2, INTERPRET=build.INTERPRET,
                                num_warps=4)
     kn.bwd_final_kernel[fgrid](k, dkv, dk, Tt, H, HV, K=K, BR=_ROWS, L2=use_l2, INTERPRET=build.INTERPRET,
@@ -284,7 +280,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, us
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     Tt = B * T
-    P = triton_cdiv(Tt, BT) + N
+    P = build.cdiv(Tt, BT) + N
     e = q.new_empty
     f32 = torch.float32
     o = e((B, T, HV, V))

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..._runtime import checks, config, workspace
-from ..._runtime.build import INTERPRET, INTERPRETER_ARCH, check_device
+from ..._runtime.build import INTERPRET, INTERPRETER_ARCH, cdiv, check_device
 from . import kernels as K
 
 OP_NAME = "gqa"
@@ -46,10 +46,6 @@ CONFIGS = {
 FAST_FUSED_DQ = {"sm_90a": False, INTERPRETER_ARCH: False}
 
 SCRATCH_ROLE = (OP_NAME, "bwd_scratch")
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
@@ -92,7 +88,7 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     out = torch.empty((T_q, H_q, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((H_q, T_q), dtype=torch.float32, device=q.device)
     c = cfg["fwd"]
-    upper = _cdiv(T_q, c["BM"]) + B
+    upper = cdiv(T_q, c["BM"]) + B
     if upper * H_q == 0:
         return out, lse
     ts = torch.empty(B + 1, dtype=torch.int32, device=q.device)
@@ -110,7 +106,7 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
 
 
 def _align(n: int) -> int:
-    return _cdiv(n, 256) * 256
+    return cdiv(n, 256) * 256
 
 
 def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, cfg=None, fused=None,
@@ -144,7 +140,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     svt, svh = _strides(v)
     sdt, sdh = _strides(do)
     sot, soh = _strides(out)
-    upper_q = _cdiv(T_q, cq["BM"]) + B
+    upper_q = cdiv(T_q, cq["BM"]) + B
     if not fused:
         # dQ first: its kernel also writes delta = rowsum(dO * O), which the dK/dV kernel reads
         if upper_q * H_q > 0 and "dq" in parts:
@@ -156,10 +152,10 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
                 D=D, BM=cq["BM"], BN=cq["BN"], INTERPRET=INTERPRET,
                 num_warps=cq["num_warps"], num_stages=cq["num_stages"])
     elif T_q * H_q > 0 and "delta" in parts:
-        K._bwd_delta_kernel[(_cdiv(T_q, cd["BR"]) * H_q,)](
+        K._bwd_delta_kernel[(cdiv(T_q, cd["BR"]) * H_q,)](
             out, do, delta, T_q, H_q, sot, soh, sdt, sdh,
             D=D, BR=cd["BR"], INTERPRET=INTERPRET, num_warps=cd["num_warps"], num_stages=cd["num_stages"])
-    upper_k = _cdiv(T_k, ckv["BN"]) + B
+    upper_k = cdiv(T_k, ckv["BN"]) + B
     if fused:
         dqa.zero_()
     if upper_k * H_kv > 0 and "dkdv" in parts:
@@ -176,7 +172,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
         n = T_q * H_q * D
         if n > 0 and "dq" in parts:
             cc = cfg["cast"]
-            K._dq_cast_kernel[(_cdiv(n, cc["BLOCK"]),)](dqa, dq, n, float(scale), BLOCK=cc["BLOCK"],
+            K._dq_cast_kernel[(cdiv(n, cc["BLOCK"]),)](dqa, dq, n, float(scale), BLOCK=cc["BLOCK"],
                                                         num_warps=cc["num_warps"], num_stages=cc["num_stages"])
     return dq, dk, dv
 

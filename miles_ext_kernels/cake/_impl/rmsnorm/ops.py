@@ -83,10 +83,6 @@ def _configs(H: int, T: int, arch: str):
     return c
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # plain ints: triton.cdiv is a jit function, ~20 us per host call
-
-
 def _arch(x: torch.Tensor) -> str:
     """The arch whose config table a call on `x` uses (checked by the runtime, cached per device); CPU tensors run
     through the interpreter with the Hopper table."""
@@ -153,7 +149,7 @@ def _fwd(x, weight, eps: float, H: int, cfg=None):
     x2, sx = _rows(x, H, "x")
     w = _weight(weight)
     bm, bn, nw, ns = cfg or _configs(H, T, arch)[0]
-    kernels._rmsnorm_fwd_kernel[(_cdiv(T, bm),)](
+    kernels._rmsnorm_fwd_kernel[(build.cdiv(T, bm),)](
         x2, w, y, T, sx, H, eps, H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
     return y
 
@@ -170,8 +166,8 @@ def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, progr
     _, bcfg, P = _configs(H, T, arch)
     bm, bn, nw, ns = cfg or bcfg
     P = programs or P
-    rows_per_prog = _cdiv(_cdiv(T, P), bm) * bm
-    grid = _cdiv(T, rows_per_prog)
+    rows_per_prog = build.cdiv(build.cdiv(T, P), bm) * bm
+    grid = build.cdiv(T, rows_per_prog)
     dw = torch.empty(H, dtype=weight.dtype, device=x.device)
     atomic = (not deterministic and FAST_DW_ATOMIC) if atomic is None else atomic
     if not atomic:
