@@ -55,7 +55,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     scale defaults to K ** -0.5. With `use_qk_l2norm_in_kernel`, q and k are L2-normalised per head first
     (x / sqrt(sum x^2 + 1e-6)) and the backward goes through the norm. Differentiable in q, k, v, g, beta and
     initial_state. Bad operands raise ValueError / TypeError naming the argument before any launch. No
-    device->host synchronisation (cu_seqlens stays on the device and is trusted: 0 = c_0 <= ... <= c_N = T).
+    device->host synchronisation (cu_seqlens stays on the device and is trusted: 0 = c_0 <= ... <= c_N = T, as
+    in fla; a pack padded past its last document must pass the padding as one more segment — rows past c_N
+    are not computed, and on a GPU a violation cannot be detected without a sync; on CPU it raises).
     """
     from ._impl import gdn as impl  # a static import: torch.compile traces it (importlib it cannot)
 

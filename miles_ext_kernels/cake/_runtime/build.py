@@ -48,6 +48,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def device_guard(t):
+    """Context that makes `t`'s GPU current, so kernels launch there even when another GPU is current (Triton
+    launches on the current device); a no-op for CPU tensors (interpreter)."""
+    import contextlib
+
+    import torch
+
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 # Arch name for CPU tensors run through the interpreter: ops key an "interpreter" config table by it.
 INTERPRETER_ARCH = "interpreter"
 

@@ -139,9 +139,8 @@ def test_batch_without_cu_seqlens_no_l2():
     from miles_ext_kernels.cake._impl.gdn.reference import gdn_reference
     ro, _ = gdn_reference(*ref_leaves)
     ro.backward(do.double())
-    errs = {"o": rel_rms(o, ro)}
-    errs.update({n: rel_rms(a.grad, b.grad) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves,
-                                                                ref_leaves)})
-    print("\nGDN_BATCH " + json.dumps(errs))
-    for n, e in errs.items():
-        assert e < BUDGETS[n], (n, e)
+    pairs = {"o": (o, ro)}
+    pairs.update({n: (a.grad, b.grad) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves, ref_leaves)})
+    print("\nGDN_BATCH " + json.dumps({n: rel_rms(a, b) for n, (a, b) in pairs.items()}))
+    for n, (got, ref) in pairs.items():
+        check_budget(n, got, ref, BUDGETS[n])  # within budget, and the budget rejects a 2 % error

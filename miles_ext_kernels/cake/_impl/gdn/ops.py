@@ -108,9 +108,8 @@ def _ws(role: str, shape, dtype, device) -> torch.Tensor:
     numel = 1
     for s in shape:
         numel *= s
-    nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 16)
-    return workspace.take((OP, role), nbytes, device=device)[: numel * torch.empty((), dtype=dtype).element_size()] \
-        .view(dtype).view(shape)
+    size = numel * dtype.itemsize
+    return workspace.take((OP, role), max(size, 16), device=device)[:size].view(dtype).view(shape)
 
 
 def _empty0(device, dtype=torch.float32):
@@ -269,7 +268,9 @@ def _gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 output_final_state: bool, use_l2: bool, keep_state: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    outs = gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state)
+    with build.device_guard(q):
+        outs = gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2,
+                           keep_state)
     # outputs must not alias inputs (cu may be the caller's int32 cu_seqlens)
     return tuple(x.clone() if (x is cu_seqlens) else x for x in outs)
 
@@ -304,15 +305,18 @@ def _gdn_bwd_op(do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, 
                 h: torch.Tensor, vn: torch.Tensor, cu: torch.Tensor, table: torch.Tensor, scale: float, use_l2: bool,
                 keep_state: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor]:
-    return gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale, use_l2,
-                        keep_state)
+    with build.device_guard(q):
+        return gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale,
+                            use_l2, keep_state)
 
 
 @_gdn_bwd_op.register_fake
 def _(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale, use_l2, keep_state):
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty((0,), dtype=torch.float32)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)
+    # contiguous like the real op's outputs (empty_like would copy a permuted input's strides)
+    dh0 = (initial_state.new_empty(initial_state.shape) if initial_state is not None
+           else q.new_empty((0,), dtype=torch.float32))
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), dh0)
 
 
 class _GatedDeltaRule(torch.autograd.Function):

@@ -5,13 +5,12 @@ custom ops `miles_ext_kernels::gqa_fwd` / `gqa_bwd` with autograd registered -> 
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
 from ..._runtime import checks, config, workspace
-from ..._runtime.build import INTERPRET, INTERPRETER_ARCH, cdiv, check_device
+from ..._runtime.build import INTERPRET, INTERPRETER_ARCH, cdiv, check_device, device_guard
 from . import kernels as K
 
 OP_NAME = "gqa"
@@ -225,16 +224,11 @@ def routes(**model_params):
 
 # ----------------------------------------------------------------------------------------------------------------
 # torch.library custom ops, so torch.compile(fullgraph=True) traces the op
-def _on_device(t: torch.Tensor):
-    """Launch on the operands' GPU even when another one is current (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
 @torch.library.custom_op("miles_ext_kernels::gqa_fwd", mutates_args=())
 def gqa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
             cu_seqlens_k: torch.Tensor, softmax_scale: float, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
     # out and LSE come from the same kernel in both variants
-    with _on_device(q):
+    with device_guard(q):
         return gqa_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
 
 
@@ -248,7 +242,7 @@ def _gqa_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant):
 def gqa_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, softmax_scale: float,
             variant: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with _on_device(q):
+    with device_guard(q):
         return gqa_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant)
 
 
