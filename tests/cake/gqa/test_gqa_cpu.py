@@ -179,6 +179,15 @@ def test_fused_atomic_dq_path():
     assert torch.equal(dq[57:], torch.zeros_like(dq[57:]))
 
 
+def test_transposed_score_dkdv_path(monkeypatch):
+    """The dK/dV kernel's S^T path (S_ROWS=False: transposes only loaded tiles, the fallback if triton 3.6's
+    tl.trans-of-a-dot-result bug bites a config) against the reference, padding rows included."""
+    arch = ops.INTERPRETER_ARCH
+    monkeypatch.setitem(ops.CONFIGS, arch, dict(ops.CONFIGS[arch], dkdv=dict(ops.CONFIGS[arch]["dkdv"], S_ROWS=False)))
+    inp = _inputs([29, 0, 18], [29, 0, 18], 4, 2, pad_q=3, pad_k=2, seed=12)
+    _check(inp, _run(*inp))
+
+
 def test_variants_configured():
     inp = _inputs([20], [20], 2, 1, seed=10)
     a = _run(*inp)

@@ -14,13 +14,13 @@ from typing import Optional
 import torch
 
 from miles_ext_kernels.cake._runtime import build, config, workspace
-from miles_ext_kernels.cake._runtime.checks import check_host_int, check_same_device, check_tensor  # noqa: F401
+from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
+from miles_ext_kernels.cake.gdn import HEAD_DIMS  # the declaration owns the served head dims
 
 from . import kernels as kn
 
 OP = "gdn"
 BT = kn.BT
-HEAD_DIMS = (16, 32, 64, 128)
 IN_DTYPES = (torch.bfloat16,)
 GATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -11,10 +11,10 @@ import torch
 
 from ..._runtime import checks, config, workspace
 from ..._runtime.build import INTERPRET, INTERPRETER_ARCH, cdiv, check_device, device_guard
+from ...gqa import HEAD_DIM  # the declaration owns the served head dim
 from . import kernels as K
 
 OP_NAME = "gqa"
-HEAD_DIM = 256
 DEFAULT_SCALE = HEAD_DIM ** -0.5
 
 # Fixed configs per arch (no runtime autotune: a new process picks the same config, hence the same bits).
