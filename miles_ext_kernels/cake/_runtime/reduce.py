@@ -6,7 +6,8 @@ A backward kernel that runs `P` persistent programs writes one fp32 partial row 
 `reduce_columns` sums those rows column by column in a fixed order (a fixed number of rows per step, then one
 fixed-shape tree inside the program) and writes the result in the gradient's dtype. The order depends only on
 `P`, `N` and the compiled route, never on scheduling, so the result repeats bit for bit. With `P == 1` it is a
-plain fp32 -> out-dtype cast (used after an atomic accumulation).
+plain fp32 -> out-dtype cast (used after an atomic accumulation). `row_split`, `weight_grad_buffers` and
+`finish_weight_grad` are the launcher side of the same scheme.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_ext_kernels.cake._runtime import build
+from miles_ext_kernels.cake._runtime import build, workspace
 
 BLOCK_P = 32   # partial rows summed per step
 BLOCK_N = 128  # columns per program
@@ -51,3 +52,35 @@ def routes(prefix: str):
                         {"BLOCK_P": BLOCK_P, "BLOCK_N": BLOCK_N, "num_warps": NUM_WARPS, "num_stages": 1},
                         f"{prefix}reduce_columns[out={str(dt).replace('torch.', '')}]")
             for dt in OUT_DTYPES]
+
+
+def row_split(rows: int, programs: int, block_m: int) -> tuple[int, int]:
+    """(rows per program, grid) of a persistent backward: `rows` in whole `block_m` blocks over at most `programs`
+    programs. Depends only on the three sizes, so the partial-row layout (hence a det gradient's bits) does too."""
+    per = build.cdiv(build.cdiv(rows, programs), block_m) * block_m
+    return per, build.cdiv(rows, per)
+
+
+def weight_grad_buffers(op: str, grid: int, n: int, weight: torch.Tensor, atomic: bool):
+    """(dw, target) for a backward whose `grid` programs each add a weight-gradient row of `n` columns.
+
+    det (`atomic=False`): target is a `[grid, n]` fp32 workspace of partial rows (pool role `(op, "dw_partial")`),
+    summed later in a fixed order. fast with atomics: one zeroed fp32 row (dw itself when the weight is fp32).
+    """
+    dw = torch.empty(n, dtype=weight.dtype, device=weight.device)
+    if not atomic:
+        target = workspace.take((op, "dw_partial"), grid * n * 4, device=weight.device).view(torch.float32)
+    elif weight.dtype == torch.float32:
+        target = dw.zero_()
+    else:
+        target = workspace.take((op, "dw_accum"), n * 4, device=weight.device).view(torch.float32).zero_()
+    return dw, target
+
+
+def finish_weight_grad(dw: torch.Tensor, target: torch.Tensor, grid: int, n: int, atomic: bool) -> torch.Tensor:
+    """dw from what the backward wrote into `target` (see `weight_grad_buffers`)."""
+    if not atomic:
+        reduce_columns(target, grid, n, dw)
+    elif target.data_ptr() != dw.data_ptr():
+        reduce_columns(target, 1, n, dw)  # fp32 accumulator -> weight dtype
+    return dw

@@ -22,7 +22,7 @@ import triton
 
 from miles_ext_kernels.cake import gated_rmsnorm as _decl
 from miles_ext_kernels.cake._runtime import reduce as _reduce
-from miles_ext_kernels.cake._runtime import build, checks, config, workspace
+from miles_ext_kernels.cake._runtime import build, checks, config
 
 from . import kernels
 
@@ -183,24 +183,13 @@ def _bwd(dy, x, z, weight, eps: float, deterministic: bool, D: int, cfg=None, pr
     _, bcfg, P = _configs(D, N, arch)
     bm, bd, nw, ns = cfg or bcfg
     P = programs or P
-    rows_per_prog = build.cdiv(build.cdiv(N, P), bm) * bm
-    grid = build.cdiv(N, rows_per_prog)
-    dw = torch.empty(D, dtype=weight.dtype, device=x.device)
+    rows_per_prog, grid = _reduce.row_split(N, P, bm)
     atomic = (not deterministic and FAST_DW_ATOMIC) if atomic is None else atomic
-    if not atomic:
-        target = workspace.take((OP, "dw_partial"), grid * D * 4, device=x.device).view(torch.float32)
-    elif weight.dtype == torch.float32:
-        target = dw.zero_()
-    else:
-        target = workspace.take((OP, "dw_accum"), D * 4, device=x.device).view(torch.float32).zero_()
+    dw, target = _reduce.weight_grad_buffers(OP, grid, D, weight, atomic)
     kernels._gated_bwd_kernel[(grid,)](
         xv, zv, w, gv, dx, dz, target, N, NH, sxt, sxh, szt, szh, sgt, sgh, rows_per_prog, eps,
         D=D, BLOCK_M=bm, BLOCK_D=bd, ATOMIC=atomic, num_warps=nw, num_stages=ns)
-    if not atomic:
-        _reduce.reduce_columns(target, grid, D, dw)
-    elif weight.dtype != torch.float32:
-        _reduce.reduce_columns(target, 1, D, dw)
-    return dx, dz, dw
+    return dx, dz, _reduce.finish_weight_grad(dw, target, grid, D, atomic)
 
 
 def gated_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *, cfg=None) -> torch.Tensor:

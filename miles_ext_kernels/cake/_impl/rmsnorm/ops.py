@@ -20,7 +20,7 @@ import triton
 
 from miles_ext_kernels.cake import rmsnorm as _decl
 from miles_ext_kernels.cake._runtime import reduce as _reduce
-from miles_ext_kernels.cake._runtime import build, checks, config, workspace
+from miles_ext_kernels.cake._runtime import build, checks, config
 
 from . import kernels
 
@@ -166,24 +166,13 @@ def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, progr
     _, bcfg, P = _configs(H, T, arch)
     bm, bn, nw, ns = cfg or bcfg
     P = programs or P
-    rows_per_prog = build.cdiv(build.cdiv(T, P), bm) * bm
-    grid = build.cdiv(T, rows_per_prog)
-    dw = torch.empty(H, dtype=weight.dtype, device=x.device)
+    rows_per_prog, grid = _reduce.row_split(T, P, bm)
     atomic = (not deterministic and FAST_DW_ATOMIC) if atomic is None else atomic
-    if not atomic:
-        target = workspace.take((OP, "dw_partial"), grid * H * 4, device=x.device).view(torch.float32)
-    elif weight.dtype == torch.float32:
-        target = dw.zero_()
-    else:
-        target = workspace.take((OP, "dw_accum"), H * 4, device=x.device).view(torch.float32).zero_()
+    dw, target = _reduce.weight_grad_buffers(OP, grid, H, weight, atomic)
     kernels._rmsnorm_bwd_kernel[(grid,)](
         x2, w, dy2, dx, target, T, sx, sdy, H, rows_per_prog, eps,
         H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, num_warps=nw, num_stages=ns)
-    if not atomic:
-        _reduce.reduce_columns(target, grid, H, dw)
-    elif weight.dtype != torch.float32:
-        _reduce.reduce_columns(target, 1, H, dw)
-    return dx, dw
+    return dx, _reduce.finish_weight_grad(dw, target, grid, H, atomic)
 
 
 def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *, cfg=None) -> torch.Tensor:
