@@ -144,8 +144,14 @@ def test_bad_inputs_raise_before_launch():
         decl.zero_centered_rmsnorm(torch.randn(2, 100).to(BF), torch.zeros(100))
     with pytest.raises(ValueError, match="eps"):
         decl.zero_centered_rmsnorm(x, w, -1.0)
+    with pytest.raises(TypeError, match="eps"):
+        decl.zero_centered_rmsnorm(x, w, "1e-6")
+    with pytest.raises(TypeError, match="eps"):
+        decl.ZeroCenteredRMSNorm(256, eps="1e-6", device="meta")
+    with pytest.raises(ValueError, match="eps"):
+        decl.ZeroCenteredRMSNorm(256, eps=0.0, device="meta")
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        decl.zero_centered_rmsnorm(x.numpy() if False else [1.0], w)
+        decl.zero_centered_rmsnorm([1.0], w)
 
 
 def test_compile_fullgraph_traces():

@@ -266,8 +266,10 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         super().__init__()
         checks.check_host_int("hidden_size", hidden_size, minimum=1)
         _decl.check_supported(hidden_size)
-        if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps > 0:
-            raise ValueError(f"eps must be a float > 0, got {eps!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (float, int)):
+            raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
         if dtype is not None and dtype not in W_DTYPES:
             raise TypeError(f"dtype must be float32 or bfloat16, got {dtype}")
         if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
