@@ -9,6 +9,7 @@ import pytest
 import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake import conv1d
+from tests.cake._cli import parse_validated
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -17,14 +18,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 def _reset():
     yield
     mek.configure()
-
-
-def parse(*argv):
-    parser = argparse.ArgumentParser()
-    mek.add_arguments(parser)
-    args = parser.parse_args(list(argv))
-    mek.validate_args(args)
-    return args
 
 
 def test_declaration():
@@ -69,11 +62,11 @@ def test_check_supported_rejects(kwargs, word):
 
 
 def test_cli_defaults_and_option():
-    args = parse("--linear-attention-conv-backend", "cake")
+    args = parse_validated("--linear-attention-conv-backend", "cake")
     assert args.cake_conv1d_variant == "fast"  # miles' command-line default
     assert args.cake_conv1d_silu_grad_preactivation == "bf16"
-    args = parse("--linear-attention-conv-backend", "cake", "--cake-conv1d-silu-grad-preactivation", "fp32",
-                 "--cake-conv1d-variant", "det")
+    args = parse_validated("--linear-attention-conv-backend", "cake", "--cake-conv1d-silu-grad-preactivation",
+                           "fp32", "--cake-conv1d-variant", "det")
     mek.configure(args)
     from miles_ext_kernels.cake._runtime import config
     assert config.variant("conv1d") == "det"
@@ -81,17 +74,18 @@ def test_cli_defaults_and_option():
 
 
 def test_cli_deterministic_mode_resolves_det():
-    args = parse("--linear-attention-conv-backend", "cake", "--deterministic-mode")
+    args = parse_validated("--linear-attention-conv-backend", "cake", "--deterministic-mode")
     assert args.cake_conv1d_variant == "det"
     with pytest.raises(ValueError, match="fast"):
-        parse("--linear-attention-conv-backend", "cake", "--deterministic-mode", "--cake-conv1d-variant", "fast")
+        parse_validated("--linear-attention-conv-backend", "cake", "--deterministic-mode",
+                        "--cake-conv1d-variant", "fast")
 
 
 def test_option_without_selector_rejected():
     with pytest.raises(ValueError, match="conv1d"):
-        parse("--cake-conv1d-silu-grad-preactivation", "fp32")
+        parse_validated("--cake-conv1d-silu-grad-preactivation", "fp32")
     with pytest.raises(SystemExit):
-        parse("--linear-attention-conv-backend", "cake", "--cake-conv1d-silu-grad-preactivation", "fp16")
+        parse_validated("--linear-attention-conv-backend", "cake", "--cake-conv1d-silu-grad-preactivation", "fp16")
 
 
 def test_validate_kernel_width():

@@ -1,11 +1,11 @@
 """gated_rmsnorm declaration, check_supported and CLI flags (torch-free)."""
-import argparse
 
 import pytest
 
 import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake import gated_rmsnorm
+from tests.cake._cli import parse_validated
 
 
 def test_declaration():
@@ -33,11 +33,7 @@ def test_refused(d, err):
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser()
-    mek.add_arguments(parser)
-    args = parser.parse_args(argv)
-    mek.validate_args(args)
-    return args
+    return parse_validated(*argv)
 
 
 def test_cli_flags():

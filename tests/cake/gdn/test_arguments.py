@@ -1,5 +1,4 @@
 """gdn declaration, check_supported and command-line flags: torch-free."""
-import argparse
 import os
 import subprocess
 import sys
@@ -9,6 +8,7 @@ import pytest
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
 from miles_ext_kernels.cake._runtime import registry
+from tests.cake._cli import parse_validated
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -25,14 +25,6 @@ def _registered():
     mek.configure()
     if ctx is not None:
         ctx.__exit__(None, None, None)
-
-
-def parse(*argv):
-    parser = argparse.ArgumentParser()
-    mek.add_arguments(parser)
-    args = parser.parse_args(list(argv))
-    mek.validate_args(args)
-    return args
 
 
 def test_declaration():
@@ -75,10 +67,11 @@ def test_check_supported_rejects(args, exc, word):
 
 
 def test_cli_defaults_and_option():
-    args = parse("--linear-attention-backend", "cake")
+    args = parse_validated("--linear-attention-backend", "cake")
     assert args.cake_gdn_variant == "fast"  # miles' command-line default
     assert args.cake_gdn_recompute_state is False
-    args = parse("--linear-attention-backend", "cake", "--cake-gdn-recompute-state", "--cake-gdn-variant", "det")
+    args = parse_validated("--linear-attention-backend", "cake", "--cake-gdn-recompute-state",
+                           "--cake-gdn-variant", "det")
     mek.configure(args)
     from miles_ext_kernels.cake._runtime import config
     assert config.variant("gdn") == "det"
@@ -86,13 +79,13 @@ def test_cli_defaults_and_option():
 
 
 def test_cli_deterministic_mode_resolves_det():
-    args = parse("--linear-attention-backend", "cake", "--deterministic-mode")
+    args = parse_validated("--linear-attention-backend", "cake", "--deterministic-mode")
     assert args.cake_gdn_variant == "det"
 
 
 def test_option_without_selector_rejected():
     with pytest.raises(ValueError):
-        parse("--cake-gdn-recompute-state")
+        parse_validated("--cake-gdn-recompute-state")
 
 
 def test_configure_direct():

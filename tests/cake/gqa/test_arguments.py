@@ -8,6 +8,7 @@ import pytest
 import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake import gqa
+from tests.cake._cli import parse_validated
 
 
 def test_declaration():
@@ -69,11 +70,7 @@ def test_rank_heads():
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser()
-    mek.add_arguments(parser)
-    args = parser.parse_args(argv)
-    mek.validate_args(args)
-    return args
+    return parse_validated(*argv)
 
 
 def test_cli_flags():

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from ..._runtime import build, checks, config, workspace
 from . import kernels

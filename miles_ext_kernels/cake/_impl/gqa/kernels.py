@@ -404,8 +404,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU_Q, CU_K, TS,
         # those from m_full on see every key of it (no causal mask)
         m_lo = (tl.maximum(n0 - offset, 0) // BM) * BM
         m_full = tl.maximum(((tl.maximum(n0 + BN - 1 - offset, 0) + BM - 1) // BM) * BM, m_lo)
-        m_mask_end = tl.minimum(m_full, L_q)
-        m_u_end = tl.maximum(m_full + ((L_q - m_full) // BM) * BM, m_full)
         for g in range(group):
             h = hk * group + g
             for m in range(m_lo, L_q, BM):
