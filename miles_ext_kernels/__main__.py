@@ -84,7 +84,11 @@ def cmd_prebuild(ns) -> int:
     from miles_ext_kernels import cake
 
     device = int(ns.device) if ns.device is not None and ns.device.isdigit() else ns.device  # "0" -> cuda:0
-    res = cake.prebuild(ns.op, device=device, max_workers=ns.max_workers, **dict(ns.param or []))
+    try:
+        res = cake.prebuild(ns.op, device=device, max_workers=ns.max_workers, **dict(ns.param or []))
+    except (KeyError, TypeError, ValueError, RuntimeError, NotImplementedError) as e:
+        print(f"prebuild {ns.op}: {e}", file=sys.stderr)
+        return 2
     print(res)
     for label in res.routes:
         print(f"  {label}")
@@ -94,10 +98,19 @@ def cmd_prebuild(ns) -> int:
 def cmd_bench(ns, extra) -> int:
     from miles_ext_kernels import cake
 
-    spec = cake.op_spec(ns.op)
+    try:
+        spec = cake.op_spec(ns.op)
+    except KeyError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
     script = REPO / "bench" / f"{spec.bench or spec.name}.py"
     if not script.exists():
         print(f"no benchmark for {ns.op}: {script} does not exist", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"bench {ns.op}: the benchmarks time kernels on a CUDA GPU and none is visible here", file=sys.stderr)
         return 2
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.call([sys.executable, str(script), *extra], env=env, cwd=str(REPO))

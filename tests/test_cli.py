@@ -31,6 +31,14 @@ def test_prebuild_bad_param():
     assert out.returncode != 0 and "key=value" in out.stderr
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU machine behaviour")
+def test_gpu_commands_explain_themselves_on_cpu():
+    out = cli("prebuild", "gqa")
+    assert out.returncode == 2 and "CUDA GPU" in out.stderr and "Traceback" not in out.stderr
+    out = cli("bench", "gqa")
+    assert out.returncode == 2 and "CUDA GPU" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_bench_unknown_op():
     out = cli("bench", "nosuchop")
     assert out.returncode != 0 and "nosuchop" in out.stderr

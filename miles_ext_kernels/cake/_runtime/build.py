@@ -165,10 +165,12 @@ def prebuild(op: str, *, device=None, max_workers=None, **model_params) -> Prebu
                                     or max_workers < 1):
         raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
     if INTERPRET:
-        raise RuntimeError("prebuild compiles GPU code; TRITON_INTERPRET=1 is set, so nothing would be built")
+        raise RuntimeError("prebuild compiles for a CUDA GPU; TRITON_INTERPRET=1 is set, so nothing would be built")
     import torch
     import triton
 
+    if not torch.cuda.is_available():
+        raise RuntimeError("prebuild compiles for a CUDA GPU and none is visible here")
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if dev.type != "cuda":
         raise ValueError(f"prebuild needs a CUDA device, got {dev}")
