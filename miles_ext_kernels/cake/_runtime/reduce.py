@@ -84,3 +84,40 @@ def finish_weight_grad(dw: torch.Tensor, target: torch.Tensor, grid: int, n: int
     elif target.data_ptr() != dw.data_ptr():
         reduce_columns(target, 1, n, dw)  # fp32 accumulator -> weight dtype
     return dw
+
+
+# Backward programs per arch = SMs x the table's per-SM count (fixed per arch, not the live count, so the partial-row
+# layout and a det gradient's bits do not depend on the GPU's state).
+SMS_BY_ARCH = {"sm_90a": 132}
+
+
+def table_arch(x: torch.Tensor) -> str:
+    """The arch whose config table a row-wise op uses for `x`: its GPU's (checked by the runtime, cached per
+    device), or the Hopper table for CPU tensors under the interpreter (so CPU tests run the shipped configs)."""
+    arch = build.check_device(x, "x")
+    return "sm_90a" if arch == build.INTERPRETER_ARCH else arch
+
+
+class RowConfigs:
+    """Fixed per-call configs of a row-wise op with a persistent backward, by (width, row-count window, arch).
+
+    `fwd_config(width, window)` -> forward launch config; `bwd_config(width, window)` -> (..4 launch values,
+    programs per SM). Calls with at most `small_rows` rows use the "small" window. Cached: a dict look-up per call.
+    """
+
+    def __init__(self, fwd_config, bwd_config, small_rows: int):
+        self.fwd_config, self.bwd_config, self.small_rows = fwd_config, bwd_config, small_rows
+        self._cache: dict = {}
+
+    def window(self, rows: int) -> str:
+        return "small" if rows <= self.small_rows else "large"
+
+    def __call__(self, width: int, rows: int, arch: str):
+        """(forward config, backward config, backward programs)."""
+        key = (width, rows <= self.small_rows, arch)
+        c = self._cache.get(key)
+        if c is None:
+            w = self.window(rows)
+            b = self.bwd_config(width, w)
+            c = self._cache[key] = (self.fwd_config(width, w), b[:4], SMS_BY_ARCH[arch] * b[4])
+        return c

@@ -34,8 +34,6 @@ W_DTYPES = (torch.float32, torch.bfloat16)
 # Fixed configuration table (no autotuning). Windows by row count N = tokens x heads.
 SMALL_N = 4096
 WINDOWS = ("small", "large")
-SMS = {"sm_90a": 132}  # backward programs = SMS x per-SM count from the table (fixed per arch, not the live count)
-_INTERPRETER_ARCH = "sm_90a"
 # The fast variant may add the weight-gradient rows with atomics (no fixed order). On the H200 that was not faster
 # than the fixed-order two-stage sum (bench/NOTES.md, norms, v1), and less accurate, so fast runs the det path.
 FAST_DW_ATOMIC = False
@@ -56,29 +54,8 @@ def bwd_config(D: int, window: str):
     return max(1, 8192 // bd), bd, 16, 1, 1
 
 
-def window_of(N: int) -> str:
-    return "small" if N <= SMALL_N else "large"
-
-
-_cfg_cache: dict = {}
-
-
-def _configs(D: int, N: int, arch: str):
-    """(fwd config, bwd config, backward programs) for a call, cached (a dict look-up on the hot path)."""
-    key = (D, N <= SMALL_N, arch)
-    c = _cfg_cache.get(key)
-    if c is None:
-        w = window_of(N)
-        b = bwd_config(D, w)
-        c = _cfg_cache[key] = (fwd_config(D, w), b[:4], SMS[arch] * b[4])
-    return c
-
-
-def _arch(x: torch.Tensor) -> str:
-    """The arch whose config table a call on `x` uses (checked by the runtime, cached per device); CPU tensors run
-    through the interpreter with the Hopper table."""
-    arch = build.check_device(x, "x")
-    return _INTERPRETER_ARCH if arch == build.INTERPRETER_ARCH else arch
+_configs = _reduce.RowConfigs(fwd_config, bwd_config, SMALL_N)
+window_of = _configs.window
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -153,7 +130,7 @@ def check_args(x, z, weight, eps) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 # launchers: `_fwd` / `_bwd` assume checked arguments (the hot path); `gated_fwd` / `gated_bwd` check first.
 def _fwd(x, z, weight, eps: float, D: int, cfg=None):
-    arch = _arch(x)
+    arch = _reduce.table_arch(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     T, NH = _lead_shape(x)
     N = T * NH
@@ -169,7 +146,7 @@ def _fwd(x, z, weight, eps: float, D: int, cfg=None):
 
 
 def _bwd(dy, x, z, weight, eps: float, deterministic: bool, D: int, cfg=None, programs=None, atomic=None):
-    arch = _arch(x)
+    arch = _reduce.table_arch(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dz = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     T, NH = _lead_shape(x)

@@ -36,11 +36,9 @@ W_DTYPES = (torch.float32, torch.bfloat16)
 # depend only on the token count. Picked from the H200 sweep in bench/NOTES.md, norms.
 SMALL_T = 1024
 WINDOWS = ("small", "large")
-SMS = {"sm_90a": 132}
-_INTERPRETER_ARCH = "sm_90a"
 # The fast variant may add the weight-gradient rows with atomics (no fixed order). On the H200 that was not faster
 # than the fixed-order two-stage sum (bench/NOTES.md, norms, v1), and less accurate, so fast runs the det path.
-FAST_DW_ATOMIC = False  # CPU tensors under the interpreter use the Hopper table
+FAST_DW_ATOMIC = False
 
 
 def _pow2(n: int) -> int:
@@ -65,29 +63,8 @@ def bwd_config(H: int, window: str):
     return 1, bn, 16, 1, 1
 
 
-def window_of(T: int) -> str:
-    return "small" if T <= SMALL_T else "large"
-
-
-_cfg_cache: dict = {}
-
-
-def _configs(H: int, T: int, arch: str):
-    """(fwd config, bwd config, backward programs) for a call, cached (a dict look-up on the hot path)."""
-    key = (H, T <= SMALL_T, arch)
-    c = _cfg_cache.get(key)
-    if c is None:
-        w = window_of(T)
-        b = bwd_config(H, w)
-        c = _cfg_cache[key] = (fwd_config(H, w), b[:4], SMS[arch] * b[4])
-    return c
-
-
-def _arch(x: torch.Tensor) -> str:
-    """The arch whose config table a call on `x` uses (checked by the runtime, cached per device); CPU tensors run
-    through the interpreter with the Hopper table."""
-    arch = build.check_device(x, "x")
-    return _INTERPRETER_ARCH if arch == build.INTERPRETER_ARCH else arch
+_configs = _reduce.RowConfigs(fwd_config, bwd_config, SMALL_T)
+window_of = _configs.window
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -141,7 +118,7 @@ def check_args(x, weight, eps) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 # launchers: `_fwd` / `_bwd` assume checked arguments (the hot path); `rmsnorm_fwd` / `rmsnorm_bwd` check first.
 def _fwd(x, weight, eps: float, H: int, cfg=None):
-    arch = _arch(x)
+    arch = _reduce.table_arch(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     T = x.numel() // H
     if T == 0:
@@ -155,7 +132,7 @@ def _fwd(x, weight, eps: float, H: int, cfg=None):
 
 
 def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, programs=None, atomic=None):
-    arch = _arch(x)
+    arch = _reduce.table_arch(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     T = x.numel() // H
     if T == 0:
