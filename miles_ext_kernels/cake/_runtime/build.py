@@ -111,6 +111,20 @@ class Route:
         return self.kernel.warmup(*self.args, grid=self.grid, **self.constexprs)
 
 
+class RouteSet:
+    """Collects an op's routes, dropping exact repeats (several table entries can resolve to one specialization)."""
+
+    def __init__(self):
+        self.routes: list[Route] = []
+        self._seen: set = set()
+
+    def add(self, kernel, args: tuple, constexprs: dict, label: str, grid: tuple = (1,)) -> None:
+        key = (id(kernel), args, tuple(sorted(constexprs.items())))
+        if key not in self._seen:
+            self._seen.add(key)
+            self.routes.append(Route(kernel, args, grid, constexprs, label))
+
+
 @dataclass(frozen=True)
 class PrebuildResult:
     op: str

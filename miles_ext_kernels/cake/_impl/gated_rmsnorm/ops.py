@@ -257,14 +257,8 @@ def routes(*, head_dim: int):
     every row-count window."""
     _decl.check_supported(head_dim)
     D = head_dim
-    out, seen = [], set()
-
-    def add(kernel, args, cx, label):
-        key = (id(kernel), args, tuple(sorted(cx.items())))
-        if key in seen:
-            return
-        seen.add(key)
-        out.append(build.Route(kernel, args, (1,), cx, label))
+    rs = build.RouteSet()
+    add = rs.add
 
     bf = torch.bfloat16
     for wdt in W_DTYPES:
@@ -280,5 +274,4 @@ def routes(*, head_dim: int):
                     (bf, bf, wdt, bf, bf, bf, torch.float32, 4096, 32, 32 * D, D, 32 * D, D, 32 * D, D, 16, 1e-6),
                     dict(D=D, BLOCK_M=bm, BLOCK_D=bd, ATOMIC=variant == "fast", num_warps=nw, num_stages=ns),
                     f"gated_rmsnorm.bwd[D={D},w={wn},{variant},{'+'.join(v for v in WINDOWS if bwd_config(D, v) == bwd_config(D, window))}]")
-    out += _reduce.routes("gated_rmsnorm.")
-    return out
+    return rs.routes + _reduce.routes("gated_rmsnorm.")

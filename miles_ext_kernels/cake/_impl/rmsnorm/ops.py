@@ -291,14 +291,8 @@ def routes(*, hidden_size: int):
     every token-count window."""
     _decl.check_supported(hidden_size)
     H = hidden_size
-    out, seen = [], set()
-
-    def add(kernel, args, cx, label):
-        key = (id(kernel), args, tuple(sorted(cx.items())))
-        if key in seen:
-            return
-        seen.add(key)
-        out.append(build.Route(kernel, args, (1,), cx, label))
+    rs = build.RouteSet()
+    add = rs.add
 
     bf = torch.bfloat16
     for wdt in W_DTYPES:
@@ -312,5 +306,4 @@ def routes(*, hidden_size: int):
                 add(kernels._rmsnorm_bwd_kernel, (bf, wdt, bf, bf, torch.float32, 4096, H, H, H, 16, 1e-6),
                     dict(H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=variant == "fast", num_warps=nw, num_stages=ns),
                     f"rmsnorm.bwd[H={H},w={wn},{variant},{'+'.join(v for v in WINDOWS if bwd_config(H, v) == bwd_config(H, window))}]")
-    out += _reduce.routes("rmsnorm.")
-    return out
+    return rs.routes + _reduce.routes("rmsnorm.")
