@@ -96,15 +96,17 @@ def _l_block(ka, kb, ga, gb, ba, DIAG: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _inv_unit_lower(L):
-    """(I + L)^-1 for a strictly lower-triangular 16 x 16 fp32 L, by forward substitution."""
+    """(I + L)^-1 for a strictly lower-triangular 16 x 16 fp32 L: L is nilpotent (L^16 = 0), so
+    (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8), six exact-fp32 16 x 16 matmuls instead of 14 dependent
+    forward-substitution steps."""
     o = tl.arange(0, 16)
-    Ai = -L
-    for r in range(2, 16):
-        sel = o[:, None] == r
-        a = tl.sum(tl.where(sel, -L, 0.), 0)
-        a = a + tl.sum(a[:, None] * Ai, 0)
-        Ai = tl.where(sel, a[None, :], Ai)
-    return tl.where(o[:, None] == o[None, :], Ai + 1., Ai)
+    eye = tl.where(o[:, None] == o[None, :], 1., 0.)
+    L2 = _dot32(L, L)
+    L4 = _dot32(L2, L2)
+    L8 = _dot32(L4, L4)
+    Ai = _dot32(eye - L, eye + L2)
+    Ai = _dot32(Ai, eye + L4)
+    return _dot32(Ai, eye + L8)
 
 
 @triton.jit
@@ -396,43 +398,48 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
     v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
     vt_off = rows[None, :] * (HV * V) + hv * V + o_v[:, None]
     st_t = (p.to(tl.int64) * HV + hv) * (K * V) + o_k[None, :] * V + o_v[:, None]  # [V, K] view of a state
-    b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
-    b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
-    b_ht = tl.load(h + st_t)
-    b_dhet = tl.load(dhe + st_t)
-    b_do = tl.load(do + v_off, mask=m[:, None], other=0.)
-    b_dot = tl.load(do + vt_off, mask=m[None, :], other=0.)
-    b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
-    b_vnt = tl.load(vn + vt_off, mask=m[None, :], other=0.)
-    b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
+    st0 = (p.to(tl.int64) * HV + hv) * (K * V)
+    out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
     b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
     last = tl.minimum(t0 + BT, eos) - 1
     g_last = tl.load(gc + last * HV + hv)
-
+    # phases with short live ranges (fewer operand tiles live at once): dq and dw, then dk, then dg's last term
+    b_do = tl.load(do + v_off, mask=m[:, None], other=0.)
+    b_ht = tl.load(h + st_t)
     b_dq = _dot(b_do, b_ht, INTERPRET) * (tl.exp(b_gc) * scale)[:, None]
+    b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
+    b_dw = -_dot(b_dd, b_ht, INTERPRET)
+    tl.store(dw + out_k, _rnd(b_dw, dw.dtype.element_ty, INTERPRET), mask=m[:, None])
     msk = o_t[:, None] >= o_t[None, :]
+    b_vnt = tl.load(vn + vt_off, mask=m[None, :], other=0.)
     b_dp = _dot(b_do, b_vnt, INTERPRET)
     b_dp = tl.where(msk, b_dp * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
+    b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
     b_dq += _dot(_rnd(b_dp, DT, INTERPRET), b_k, INTERPRET)
+    b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
+    b_dg = tl.sum(b_dq * b_q.to(tl.float32), 1)
+    tl.store(dq + out_k, b_dq, mask=m[:, None])
+
     mskt = o_t[None, :] >= o_t[:, None]
+    b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
+    b_dot = tl.load(do + vt_off, mask=m[None, :], other=0.)
     b_dpt = _dot(b_vn, b_dot, INTERPRET)
     b_dpt = tl.where(mskt, b_dpt * tl.exp(tl.where(mskt, b_gc[None, :] - b_gc[:, None], 0.)), 0.) * scale
     b_dk = _dot(_rnd(b_dpt, DT, INTERPRET), b_q, INTERPRET)
     fac = tl.where(m, tl.exp(g_last - b_gc), 0.)
+    b_dhet = tl.load(dhe + st_t)
     b_dks = _dot(b_vn, b_dhet, INTERPRET) * fac[:, None]
-    b_dw = -_dot(b_dd, b_ht, INTERPRET)
-
-    b_qf = b_q.to(tl.float32)
     b_kf = b_k.to(tl.float32)
     ks = tl.sum(b_dks * b_kf, 1)
-    b_dg = tl.sum(b_dq * b_qf, 1) - tl.sum(b_dk * b_kf, 1) - ks
-    extra = tl.exp(g_last) * tl.sum(tl.sum(b_ht.to(tl.float32) * b_dhet.to(tl.float32), 1), 0) + tl.sum(ks, 0)
-    b_dg += tl.where(o_t == (last - t0), extra, 0.)
-
-    out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-    tl.store(dq + out_k, b_dq, mask=m[:, None])
+    b_dg -= tl.sum(b_dk * b_kf, 1) + ks
     tl.store(dk + out_k, b_dk + b_dks, mask=m[:, None])
-    tl.store(dw + out_k, _rnd(b_dw, dw.dtype.element_ty, INTERPRET), mask=m[:, None])
+
+    hd = tl.sum(tl.zeros([32], dtype=tl.float32), 0)
+    for i0 in tl.static_range(0, K, 16):  # sum(h * dhe) in 16-row slices (few live registers)
+        sl = st0 + (i0 + tl.arange(0, 16))[:, None] * V + o_v[None, :]
+        hd += tl.sum(tl.sum(tl.load(h + sl).to(tl.float32) * tl.load(dhe + sl).to(tl.float32), 1), 0)
+    extra = tl.exp(g_last) * hd + tl.sum(ks, 0)
+    b_dg += tl.where(o_t == (last - t0), extra, 0.)
     tl.store(dgp + rows * HV + hv, b_dg, mask=m)
 
 
@@ -456,32 +463,23 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dgp, dv, dbeta, dg, 
     rows = bos + ic * BT + o_t
     m = rows < eos
     k_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
-    kt_off = rows[None, :] * (H * K) + hk * K + o_k[:, None]
     v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
-    vt_off = rows[None, :] * (HV * V) + hv * V + o_v[:, None]
     w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-    wt_off = rows[None, :] * (HV * K) + hv * K + o_k[:, None]
 
     b_kd = tl.load(k + k_off, mask=m[:, None], other=0.)
     b_k = b_kd.to(tl.float32)
-    b_ktd = tl.load(k + kt_off, mask=m[None, :], other=0.)
     b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
-    b_vt = tl.load(v + vt_off, mask=m[None, :], other=0.).to(tl.float32)
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
     b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
     eg = tl.exp(b_gc)
     bx = b_b * eg
     b_xf = b_k * bx[:, None]
     b_x = _rnd(b_xf, DT, INTERPRET)
-    b_xt = _rnd((b_ktd.to(tl.float32) * bx[None, :]), DT, INTERPRET)
     b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
-    b_yt = _rnd((b_vt * b_b[None, :]), DT, INTERPRET)
-    b_a = tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.)
-    b_at = tl.load(A + rows[None, :] * (HV * BT) + hv * BT + o_t[:, None], mask=m[None, :], other=0.)
+    # A^T, X^T, Y^T, k^T are transposes of loaded (not matmul-produced) tiles: safe on triton 3.6 Hopper
+    b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
     b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
-    b_dwt = tl.load(dw + wt_off, mask=m[None, :], other=0.)
     b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
-    b_ddt = tl.load(dd + vt_off, mask=m[None, :], other=0.)
 
     b_dx = _dot(b_at, b_dw, INTERPRET)
     b_dy = _dot(b_at, b_dd, INTERPRET)
@@ -490,22 +488,18 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dgp, dv, dbeta, dg, 
     b_dk = b_dx * bx[:, None]
     b_dg = tl.sum(b_dx * b_xf, 1)
 
-    b_da = _dot(b_dw, b_xt, INTERPRET) + _dot(b_dd, b_yt, INTERPRET)  # dA  [i, j]
-    b_dat = _dot(b_x, b_dwt, INTERPRET) + _dot(b_y, b_ddt, INTERPRET)  # dA^T [j, i]
+    b_da = _dot(b_dw, tl.trans(b_x), INTERPRET) + _dot(b_dd, tl.trans(b_y), INTERPRET)  # dA [i, j]
     b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)  # -A^T dA A^T
-    b_dlt = -_dot(_rnd(_dot(b_a, _rnd(b_dat, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_a, INTERPRET)  # dL^T
     msk = o_t[:, None] > o_t[None, :]
     b_dec = tl.where(msk, tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-    mskt = o_t[None, :] > o_t[:, None]
-    b_dect = tl.where(mskt, tl.exp(tl.where(mskt, b_gc[None, :] - b_gc[:, None], 0.)), 0.)
-    b_kk = _dot(b_kd, b_ktd, INTERPRET)
+    b_kk = _dot(b_kd, tl.trans(b_kd), INTERPRET)
     b_dld = b_dl * b_dec
     b_db += tl.sum(b_dld * b_kk, 1)
     b_e = b_dld * b_kk * b_b[:, None]
     b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
     b_mm = _rnd((b_dld * b_b[:, None]), DT, INTERPRET)
-    b_mt = _rnd((b_dlt * b_dect * b_b[None, :]), DT, INTERPRET)
-    b_dk += _dot(b_mm, b_kd, INTERPRET) + _dot(b_mt, b_kd, INTERPRET)
+    # dk += M k + M^T k; M^T k = (k^T M)^T: the transposed product only feeds an add, never another matmul
+    b_dk += _dot(b_mm, b_kd, INTERPRET) + tl.trans(_dot(tl.trans(b_kd), b_mm, INTERPRET))
 
     out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
     b_dk += tl.load(dk + out_k, mask=m[:, None], other=0.)
