@@ -10,16 +10,17 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import conv1d
-from miles_ext_kernels.cake._impl.conv1d import ops
 from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_shift
 from miles_ext_kernels.cake._runtime.testing import check_budget
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-# relative RMS vs FP64 (round-to-nearest bf16 outputs: ~1.6e-3 measured for y and dx); dw fp32 is accumulated in
-# fp32 (~1e-6 against the matching reference), dw bf16 is one bf16 rounding.
-BUDGET = {"y": 4e-3, "dx": 4e-3, "dw32": 1e-4, "dw16": 5e-3}
+# Relative RMS vs FP64. y, dx and a bf16 dw are one bf16 rounding of an fp32 result; fla's causal_conv1d made
+# 1.672e-3 (y), 1.749e-3 (dx) and 1.746e-3 (bf16 dw) on the bench shape (bench/results/conv1d.json), so the budgets
+# are 1.1x those. An fp32 dw is accumulated in fp32 (~1e-6 against the matching reference). test_error_vs_fla checks
+# the 1.1x-fla rule on the same inputs in the same process.
+BUDGET = {"y": 1.84e-3, "dx": 1.93e-3, "dw32": 1e-4, "dw16": 1.93e-3}
 IRREGULAR = [0, 1, 3, 4000, 4001, 4001, 7000, 9001]
 
 
@@ -180,3 +181,20 @@ def test_demo_cuda():
     from miles_ext_kernels.cake._impl.conv1d import demo
     rows = demo("cuda")
     assert rows and all(r["ok"] for r in rows), rows
+
+
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+def test_error_vs_fla(wdt):
+    """Per tensor, our relative RMS error against FP64 is within min(1.1 x fla's, 2 x ours) on the same inputs."""
+    fla_conv = pytest.importorskip("fla.modules.causal_conv1d").causal_conv1d
+    x, w, dy = make(8192, 3072, 4, wdt, seed=21)
+    cu = torch.tensor([0, 15, 100, 2048, 2049, 5000, 8192], dtype=torch.int32, device="cuda")
+    ours = run(x, w, dy, cu)
+    xf, wf = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    yf = fla_conv(xf[None], wf, activation="silu", backend="triton", cu_seqlens=cu.long())[0][0]
+    peer = (yf.detach(),) + torch.autograd.grad(yf, (xf, wf), dy)
+    ref = causal_conv1d_ref_shift(x, w, dy, cu, "silu", round_preactivation=False)
+    from miles_ext_kernels.cake._runtime.testing import rel_rms
+    for name, a, b, r in zip(("y", "dx", "dw"), ours, peer, ref):
+        budget = min(1.1 * rel_rms(b, r), 2.0 * rel_rms(a, r))
+        check_budget(name, a, r, budget)
