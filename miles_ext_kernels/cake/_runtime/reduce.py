@@ -8,6 +8,9 @@ fixed-shape tree inside the program) and writes the result in the gradient's dty
 `P`, `N` and the compiled route, never on scheduling, so the result repeats bit for bit. With `P == 1` it is a
 plain fp32 -> out-dtype cast (used after an atomic accumulation). `row_split`, `weight_grad_buffers` and
 `finish_weight_grad` are the launcher side of the same scheme.
+
+`fixed_order_finish` does the same second stage inside the backward's own launch (one launch instead of two; its
+counters come from `counters`), and `Launcher` launches a kernel with less host work than the JIT's own path.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_ext_kernels.cake._runtime import build, workspace
+from miles_ext_kernels.cake._runtime import build, config, workspace
 
 BLOCK_P = 32   # partial rows summed per step
 BLOCK_N = 128  # columns per program
@@ -36,6 +39,50 @@ def _reduce_columns_kernel(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK
         acc += tl.load(part_ptr + offs, mask=(rows < P)[:, None] & cmask[None, :], other=0.0)
     total = tl.sum(acc, axis=0)
     tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _sum_rows(src_ptr, row0, nrows, dst_ptr, N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst[:N] = sum of rows [row0, row0 + nrows) of `src_ptr` ([*, N] fp32), in a fixed order: BLOCK_R rows per
+    step, then one fixed-shape tree. Loads bypass L1 (`.cg`): the rows were written by other programs."""
+    r = tl.arange(0, BLOCK_R)
+    for c0 in range(0, N, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cm = cols < N
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        for r0 in range(0, nrows, BLOCK_R):
+            rr = r0 + r
+            offs = (row0 + rr).to(tl.int64)[:, None] * N + cols[None, :]
+            acc += tl.load(src_ptr + offs, mask=(rr < nrows)[:, None] & cm[None, :], other=0.0, cache_modifier=".cg")
+        tl.store(dst_ptr + cols, tl.sum(acc, axis=0).to(dst_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def fixed_order_finish(part_ptr, cnt_ptr, out_ptr, pid, P, N: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+    """The second stage of a deterministic weight gradient inside the backward's own launch.
+
+    Call after program `pid` (of `P`) has stored its fp32 partial row `pid` of `part_ptr`, a `[P + cdiv(P, GROUP),
+    N]` workspace. The last program to finish in each group of GROUP consecutive programs sums that group's rows
+    (fixed order) into row `P + group`; the last group to finish sums those `cdiv(P, GROUP)` rows (fixed order) into
+    `out_ptr` (N columns, cast to its dtype). "Last" is decided by int32 counters `cnt_ptr[0 : cdiv(P, GROUP) + 1]`
+    (zero on entry; each is reset by the program that completes it, so they are zero again when the launch ends).
+    Which program does a sum never changes what is summed or in which order, so the bits depend only on P and N.
+    Ordering: the CTA barrier puts every thread's partial-row stores before the acq_rel counter update (the layer-norm
+    tutorial's lock pattern); the summing program reads with `.cg` loads, from L2."""
+    NG = (P + GROUP - 1) // GROUP
+    g = pid // GROUP
+    gsize = tl.minimum(GROUP, P - g * GROUP)
+    tl.debug_barrier()
+    old = tl.atomic_add(cnt_ptr + g, 1, sem="acq_rel", scope="gpu")
+    if old == gsize - 1:
+        tl.atomic_xchg(cnt_ptr + g, 0, sem="relaxed", scope="gpu")
+        _sum_rows(part_ptr, g * GROUP, gsize, part_ptr + (P + g).to(tl.int64) * N, N, GROUP, BLOCK_C)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + NG, 1, sem="acq_rel", scope="gpu")
+        if done == NG - 1:
+            tl.atomic_xchg(cnt_ptr + NG, 0, sem="relaxed", scope="gpu")
+            _sum_rows(part_ptr, P, NG, out_ptr, N, GROUP, BLOCK_C)
 
 
 def reduce_columns(partial: torch.Tensor, P: int, N: int, out: torch.Tensor) -> torch.Tensor:
@@ -101,7 +148,7 @@ def table_arch(x: torch.Tensor) -> str:
 class RowConfigs:
     """Fixed per-call configs of a row-wise op with a persistent backward, by (width, row-count window, arch).
 
-    `fwd_config(width, window)` -> forward launch config; `bwd_config(width, window)` -> (..4 launch values,
+    `fwd_config(width, window)` -> forward launch config; `bwd_config(width, window)` -> (..launch values,
     programs per SM). Calls with at most `small_rows` rows use the "small" window. Cached: a dict look-up per call.
     """
 
@@ -119,5 +166,78 @@ class RowConfigs:
         if c is None:
             w = self.window(rows)
             b = self.bwd_config(width, w)
-            c = self._cache[key] = (self.fwd_config(width, w), b[:4], SMS_BY_ARCH[arch] * b[4])
+            c = self._cache[key] = (self.fwd_config(width, w), b[:-1], SMS_BY_ARCH[arch] * b[-1])
         return c
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# counters of `fixed_order_finish`: one zeroed int32 array per (device, stream), reset by the kernels themselves
+COUNTER_SLOTS = 64  # groups + 1: enough for P <= 63 * GROUP programs
+_counters: dict = {}
+
+
+def counters(t: torch.Tensor) -> torch.Tensor:
+    """Zeroed int32 counters for a `fixed_order_finish` launch on `t`'s device and the current stream. Cached per
+    (device, stream): launches on one stream run one after another and leave the counters zero. While a CUDA graph
+    is being captured, a fresh zeroed array is allocated (its zeroing is captured with the launch)."""
+    idx = t.get_device()
+    if idx < 0:  # CPU tensor under the interpreter
+        key = (idx, 0)
+    else:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=t.device)
+        key = (idx, torch._C._cuda_getCurrentRawStream(idx))
+    c = _counters.get(key)
+    if c is None:
+        c = _counters[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=t.device)
+    return c
+
+
+def partial_rows(op: str, n: int, device) -> torch.Tensor:
+    """An fp32 workspace of `n` elements for partial rows (pool role `(op, "dw_partial")`; a plain `torch.empty`
+    when the pool bound is 0, as `workspace.take` would do, without its generic host work)."""
+    if config.pool_bytes() == 0:
+        return torch.empty(n, dtype=torch.float32, device=device)
+    return workspace.take((op, "dw_partial"), n * 4, device=device).view(torch.float32)
+
+
+def finish_rows(P: int, group: int) -> int:
+    """Rows of the fp32 workspace a `fixed_order_finish` launch of P programs needs (partials + group sums)."""
+    ng = -(-P // group)
+    if ng + 1 > COUNTER_SLOTS:
+        raise ValueError(f"{P} programs need {ng + 1} counters, more than {COUNTER_SLOTS}")
+    return P + ng
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# direct launches: the JIT's binder and cache-key work cost more host time than these kernels' own launch
+_DIRECT = (not build.INTERPRET) and triton.__version__.split(".")[:2] == ["3", "6"]
+
+
+class Launcher:
+    """Launches one Triton kernel with little host work. The first launch of each `key` goes through the JIT (which
+    compiles or loads from the cache, and honours `no_build()`); later launches with that key call the compiled
+    kernel's launcher directly (triton 3.6's `CompiledKernel.run`, as the JIT itself does after its look-up), on the
+    current stream. `key` must determine the specialization: the constexprs and launch options, the dtypes of the
+    pointer arguments, pointer alignment and whether an int argument needs 64 bits; `None` disables the shortcut.
+    Any other triton version, a launch hook (profilers) or the interpreter take the JIT path every time."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._compiled: dict = {}
+
+    def __call__(self, key, grid: int, args: tuple, constexprs: dict, num_warps: int, num_stages: int):
+        if _DIRECT and key is not None:
+            dev = torch._C._cuda_getDevice()  # triton launches on the current device, and so does this
+            hit = self._compiled.get((dev, key))
+            if hit is not None and triton.knobs.runtime.launch_enter_hook is None:
+                ck, consts = hit
+                ck.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(dev), ck.function, ck.packed_metadata, None,
+                       None, None, *args, *consts)
+                return
+        ck = self.fn[(grid,)](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        if _DIRECT and key is not None and getattr(ck, "function", None) is not None \
+                and hasattr(ck, "packed_metadata"):
+            names = self.fn.arg_names[len(args):]
+            if len(names) == len(constexprs) and set(names) == set(constexprs):
+                self._compiled[(dev, key)] = (ck, tuple(constexprs[n] for n in names))

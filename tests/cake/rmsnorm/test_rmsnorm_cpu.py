@@ -87,6 +87,21 @@ def test_atomic_weight_gradient_path(wdtype):
     _check(x, w, dy, (y, dx, dw))
 
 
+@pytest.mark.parametrize("programs", [1, 16, 37])
+def test_in_launch_weight_gradient_sum(programs):
+    # det: the backward's last programs sum the partial rows (per group of GROUP, then the groups) inside the one
+    # launch; 37 programs = two full groups and a partial one. The counters must be zero again afterwards.
+    from miles_ext_kernels.cake._runtime import reduce as R
+
+    x, w, dy = _inputs((150, 320), F32, seed=8)  # 320 = 256 + 64: the two-tile row
+    y = ops.rmsnorm_fwd(x, w, 1e-6)
+    dx, dw = ops.rmsnorm_bwd(dy, x, w, 1e-6, True, programs=programs)
+    _check(x, w, dy, (y, dx, dw))
+    assert int(R.counters(x).abs().sum()) == 0
+    dx2, dw2 = ops.rmsnorm_bwd(dy, x, w, 1e-6, True, programs=programs)
+    assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
+
+
 def test_zero_tokens():
     x, w, dy = _inputs((0, 128), F32)
     y, dx, dw = _run(x, w, dy)

@@ -5,11 +5,15 @@ launch; no autograd) -> custom ops `miles_ext_kernels::cake_rmsnorm_fwd/bwd` wit
 autograd function: saves x and the weight, nothing else; rstd is recomputed in the backward, which costs no
 extra bytes) -> the public `zero_centered_rmsnorm` / `ZeroCenteredRMSNorm`.
 
-Weight gradient: each persistent backward program writes its fp32 partial row into a workspace `[P, H]`, then
-`_runtime.reduce.reduce_columns` sums the rows in a fixed order (det). The kernel can instead add the rows
-atomically into one fp32 row (`FAST_DW_ATOMIC`, for the fast variant); that measured no faster on the H200, so the
-table keeps it off and fast runs the det path. y and dx are computed one row at a time and always repeat bit for
-bit.
+Weight gradient: each persistent backward program writes its fp32 partial row into a workspace, and the same launch
+sums those rows in a fixed order (`_runtime.reduce.fixed_order_finish`: the last program of each group of GROUP
+sums its group, the last group sums the groups; counters per device and stream, reset by the kernel), so a
+backward is one launch and its bits depend only on the token count. The kernel can instead add the rows atomically
+into one fp32 row (`FAST_DW_ATOMIC`, for the fast variant); that measured no faster on the H200, so the table
+keeps it off and fast runs the det path. y and dx are computed one row at a time and always repeat bit for bit.
+
+Host path: eager calls use a plain autograd.Function through the C++ apply; launches go through
+`_runtime.reduce.Launcher`, which after a route's first (JIT) launch calls triton 3.6's compiled launcher directly.
 """
 from __future__ import annotations
 
@@ -45,22 +49,46 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
+_splits: dict = {}
+
+
+def split(H: int) -> tuple[int, int]:
+    """(BLOCK_A, BLOCK_B): a row as a power-of-two tile [0, BLOCK_A) and, when H is not a power of two, a second
+    tile of next_pow2(H - BLOCK_A) columns (masked); H 5120 = 4096 + 1024, 2560 = 2048 + 512, 7168 = 4096 + 4096."""
+    s = _splits.get(H)
+    if s is None:
+        a = 1 << (H.bit_length() - 1)
+        s = _splits[H] = (a, (_pow2(H - a) if H > a else 0))
+    return s
+
+
+# Forward, large window, by padded width: (BLOCK_M, num_warps); narrower rows scale BLOCK_M up from the 2048 entry.
+FWD_TABLE = {2048: (4, 8), 4096: (2, 8), 8192: (1, 8), 16384: (1, 16)}
+
+
 def fwd_config(H: int, window: str):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward for width H."""
+    """(BLOCK_M, num_warps, num_stages) of the forward for width H (one tile of BLOCK_M rows per program)."""
     bn = _pow2(H)
     if window == "small":
-        return max(1, 2048 // bn), bn, (4 if bn <= 2048 else 8), 1
-    return max(1, 8192 // bn), bn, (16 if bn >= 16384 else 8), 1
+        return max(1, 2048 // bn), (4 if bn <= 2048 else 8), 1
+    if bn <= 2048:
+        bm, nw = FWD_TABLE[2048]
+        return bm * 2048 // bn, nw, 1
+    return (*FWD_TABLE[bn], 1)
+
+
+# Backward, by padded width: (BLOCK_M, num_warps, STAGES = row blocks of loads in flight + 1, programs per SM).
+BWD_TABLE = {2048: (4, 8, 3, 1), 4096: (1, 8, 3, 2), 8192: (1, 8, 3, 1), 16384: (1, 16, 2, 1)}
+GROUP = 16  # partial rows per group of the in-launch fixed-order weight-gradient sum
 
 
 def bwd_config(H: int, window: str):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) of the backward (both windows: same)."""
+    """(BLOCK_M, num_warps, STAGES, programs per SM) of the backward (both windows: same)."""
     bn = _pow2(H)
     if bn <= 2048:
-        return max(1, 4096 // bn), bn, 4, 1, 2
-    if bn == 4096:
-        return 1, bn, 8, 1, 2
-    return 1, bn, 16, 1, 1
+        bm, nw, st, pps = BWD_TABLE[2048]
+        return max(1, bm * 2048 // bn), nw, st, pps
+    return BWD_TABLE[bn]
 
 
 _configs = _reduce.RowConfigs(fwd_config, bwd_config, SMALL_T)
@@ -117,6 +145,11 @@ def check_args(x, weight, eps) -> int:
 
 # ------------------------------------------------------------------------------------------------------------------
 # launchers: `_fwd` / `_bwd` assume checked arguments (the hot path); `rmsnorm_fwd` / `rmsnorm_bwd` check first.
+_FWD = _reduce.Launcher(kernels._rmsnorm_fwd_kernel)
+_BWD = _reduce.Launcher(kernels._rmsnorm_bwd_kernel)
+_I32 = 2**31 - 1
+
+
 def _fwd(x, weight, eps: float, H: int, cfg=None):
     arch = _reduce.table_arch(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -125,9 +158,10 @@ def _fwd(x, weight, eps: float, H: int, cfg=None):
         return y
     x2, sx = _rows(x, H, "x")
     w = _weight(weight)
-    bm, bn, nw, ns = cfg or _configs(H, T, arch)[0]
-    kernels._rmsnorm_fwd_kernel[(build.cdiv(T, bm),)](
-        x2, w, y, T, sx, H, eps, H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+    bm, nw, ns = cfg or _configs(H, T, arch)[0]
+    ba, bb = split(H)
+    key = (H, bm, nw, ns, w.dtype, T > _I32 or sx > _I32, y.data_ptr() & 15) if cfg is None else None
+    _FWD(key, -(-T // bm), (x2, w, y, T, sx, H, eps), dict(H=H, BLOCK_M=bm, BLOCK_A=ba, BLOCK_B=bb), nw, ns)
     return y
 
 
@@ -141,15 +175,23 @@ def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, progr
     dy2, sdy = _rows(dy, H, "dy")
     w = _weight(weight)
     _, bcfg, P = _configs(H, T, arch)
-    bm, bn, nw, ns = cfg or bcfg
+    bm, nw, st = cfg or bcfg
     P = programs or P
     rows_per_prog, grid = _reduce.row_split(T, P, bm)
     atomic = (not deterministic and FAST_DW_ATOMIC) if atomic is None else atomic
-    dw, target = _reduce.weight_grad_buffers(OP, grid, H, weight, atomic)
-    kernels._rmsnorm_bwd_kernel[(grid,)](
-        x2, w, dy2, dx, target, T, sx, sdy, H, rows_per_prog, eps,
-        H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, num_warps=nw, num_stages=ns)
-    return dx, _reduce.finish_weight_grad(dw, target, grid, H, atomic)
+    ba, bb = split(H)
+    consts = dict(H=H, BLOCK_M=bm, BLOCK_A=ba, BLOCK_B=bb, STAGES=st, GROUP=GROUP, RED_C=64 * nw, ATOMIC=atomic)
+    if atomic:
+        dw, target = _reduce.weight_grad_buffers(OP, grid, H, weight, True)
+        _BWD(None, grid, (x2, w, dy2, dx, target, target, target, T, sx, sdy, H, rows_per_prog, eps), consts, nw, st)
+        return dx, _reduce.finish_weight_grad(dw, target, grid, H, True)
+    dw = torch.empty(H, dtype=weight.dtype, device=weight.device)
+    part = _reduce.partial_rows(OP, _reduce.finish_rows(grid, GROUP) * H, weight.device)
+    cnt = _reduce.counters(x)
+    key = (H, bm, nw, st, w.dtype, T > _I32 or sx > _I32 or sdy > _I32,
+           (dx.data_ptr() | dw.data_ptr() | part.data_ptr() | cnt.data_ptr()) & 15) if cfg is None else None
+    _BWD(key, grid, (x2, w, dy2, dx, part, cnt, dw, T, sx, sdy, H, rows_per_prog, eps), consts, nw, st)
+    return dx, dw
 
 
 def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *, cfg=None) -> torch.Tensor:
@@ -184,6 +226,15 @@ class _RMSNormFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx, dw = _bwd(dy, x, weight, ctx.eps, ctx.deterministic, ctx.H)
         return dx, dw, None, None, None
+
+
+# `torch.autograd.Function.apply` binds its arguments in Python before calling the C++ `_FunctionBase.apply`
+# (~10 us per call on a 2-core CPU); the eager path calls the C++ apply directly when that is available.
+try:
+    _C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _RMSNormFn)
+    _unwrap_dead = torch._C._functorch.unwrap_if_dead
+except (AttributeError, KeyError):  # another torch layout: the public apply
+    _C_APPLY = None
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -232,7 +283,10 @@ def zero_centered_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
     deterministic = config.variant(OP) == "det"
     if torch.compiler.is_compiling():
         return _fwd_op(x, weight, float(eps), deterministic)
-    return _RMSNormFn.apply(x, weight, float(eps), deterministic, H)
+    if _C_APPLY is None or torch._C._are_functorch_transforms_active():
+        return _RMSNormFn.apply(x, weight, float(eps), deterministic, H)
+    # what `Function.apply` does when no functorch transform is active, without its Python argument binding
+    return _C_APPLY(_unwrap_dead(x), _unwrap_dead(weight), float(eps), deterministic, H)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -295,15 +349,19 @@ def routes(*, hidden_size: int):
     add = rs.add
 
     bf = torch.bfloat16
+    ba, bb = split(H)
     for wdt in W_DTYPES:
         wn = str(wdt).replace("torch.", "")
         for window in WINDOWS:
-            bm, bn, nw, ns = fwd_config(H, window)
+            bm, nw, ns = fwd_config(H, window)
             add(kernels._rmsnorm_fwd_kernel, (bf, wdt, bf, 4096, H, H, 1e-6),
-                dict(H=H, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns), f"rmsnorm.fwd[H={H},w={wn},{'+'.join(v for v in WINDOWS if fwd_config(H, v) == fwd_config(H, window))}]")
+                dict(H=H, BLOCK_M=bm, BLOCK_A=ba, BLOCK_B=bb, num_warps=nw, num_stages=ns), f"rmsnorm.fwd[H={H},w={wn},{'+'.join(v for v in WINDOWS if fwd_config(H, v) == fwd_config(H, window))}]")
             for variant in (("det", "fast") if FAST_DW_ATOMIC else ("det+fast",)):
-                bm, bn, nw, ns, _ = bwd_config(H, window)
-                add(kernels._rmsnorm_bwd_kernel, (bf, wdt, bf, bf, torch.float32, 4096, H, H, H, 16, 1e-6),
-                    dict(H=H, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=variant == "fast", num_warps=nw, num_stages=ns),
+                bm, nw, st, _ = bwd_config(H, window)
+                add(kernels._rmsnorm_bwd_kernel,
+                    (bf, wdt, bf, bf, torch.float32, *((torch.float32,) * 2 if variant == "fast" else (torch.int32, wdt)),
+                     4096, H, H, H, 16, 1e-6),
+                    dict(H=H, BLOCK_M=bm, BLOCK_A=ba, BLOCK_B=bb, STAGES=st, GROUP=GROUP, RED_C=64 * nw,
+                         ATOMIC=variant == "fast", num_warps=nw, num_stages=st),
                     f"rmsnorm.bwd[H={H},w={wn},{variant},{'+'.join(v for v in WINDOWS if bwd_config(H, v) == bwd_config(H, window))}]")
-    return rs.routes + _reduce.routes("rmsnorm.")
+    return rs.routes + _reduce.routes("rmsnorm.")  # the reduction: the atomic path's bf16 cast
