@@ -10,7 +10,7 @@ plain fp32 -> out-dtype cast (used after an atomic accumulation). `row_split`, `
 `finish_weight_grad` are the launcher side of the same scheme.
 
 `fixed_order_finish` does the same second stage inside the backward's own launch (one launch instead of two; its
-counters come from `counters`), and `Launcher` launches a kernel with less host work than the JIT's own path.
+counters come from `counters`).
 """
 from __future__ import annotations
 
@@ -207,37 +207,3 @@ def finish_rows(P: int, group: int) -> int:
     if ng + 1 > COUNTER_SLOTS:
         raise ValueError(f"{P} programs need {ng + 1} counters, more than {COUNTER_SLOTS}")
     return P + ng
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# direct launches: the JIT's binder and cache-key work cost more host time than these kernels' own launch
-_DIRECT = (not build.INTERPRET) and triton.__version__.split(".")[:2] == ["3", "6"]
-
-
-class Launcher:
-    """Launches one Triton kernel with little host work. The first launch of each `key` goes through the JIT (which
-    compiles or loads from the cache, and honours `no_build()`); later launches with that key call the compiled
-    kernel's launcher directly (triton 3.6's `CompiledKernel.run`, as the JIT itself does after its look-up), on the
-    current stream. `key` must determine the specialization: the constexprs and launch options, the dtypes of the
-    pointer arguments, pointer alignment and whether an int argument needs 64 bits; `None` disables the shortcut.
-    Any other triton version, a launch hook (profilers) or the interpreter take the JIT path every time."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self._compiled: dict = {}
-
-    def __call__(self, key, grid: int, args: tuple, constexprs: dict, num_warps: int, num_stages: int):
-        if _DIRECT and key is not None:
-            dev = torch._C._cuda_getDevice()  # triton launches on the current device, and so does this
-            hit = self._compiled.get((dev, key))
-            if hit is not None and triton.knobs.runtime.launch_enter_hook is None:
-                ck, consts = hit
-                ck.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(dev), ck.function, ck.packed_metadata, None,
-                       None, None, *args, *consts)
-                return
-        ck = self.fn[(grid,)](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-        if _DIRECT and key is not None and getattr(ck, "function", None) is not None \
-                and hasattr(ck, "packed_metadata"):
-            names = self.fn.arg_names[len(args):]
-            if len(names) == len(constexprs) and set(names) == set(constexprs):
-                self._compiled[(dev, key)] = (ck, tuple(constexprs[n] for n in names))

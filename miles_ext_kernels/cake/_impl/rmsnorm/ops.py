@@ -12,8 +12,8 @@ backward is one launch and its bits depend only on the token count. The kernel c
 into one fp32 row (`FAST_DW_ATOMIC`, for the fast variant); that measured no faster on the H200, so the table
 keeps it off and fast runs the det path. y and dx are computed one row at a time and always repeat bit for bit.
 
-Host path: eager calls use a plain autograd.Function through the C++ apply; launches go through
-`_runtime.reduce.Launcher`, which after a route's first (JIT) launch calls triton 3.6's compiled launcher directly.
+Host path: eager calls use a plain autograd.Function (the custom ops only while torch.compile traces), and launch
+through the Triton JIT.
 """
 from __future__ import annotations
 
@@ -145,9 +145,8 @@ def check_args(x, weight, eps) -> int:
 
 # ------------------------------------------------------------------------------------------------------------------
 # launchers: `_fwd` / `_bwd` assume checked arguments (the hot path); `rmsnorm_fwd` / `rmsnorm_bwd` check first.
-_FWD = _reduce.Launcher(kernels._rmsnorm_fwd_kernel)
-_BWD = _reduce.Launcher(kernels._rmsnorm_bwd_kernel)
-_I32 = 2**31 - 1
+def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
+    kernel[(grid,)](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
 
 
 def _fwd(x, weight, eps: float, H: int, cfg=None):
@@ -160,8 +159,7 @@ def _fwd(x, weight, eps: float, H: int, cfg=None):
     w = _weight(weight)
     bm, nw, ns = cfg or _configs(H, T, arch)[0]
     ba, bb = split(H)
-    key = (H, bm, nw, ns, w.dtype, T > _I32 or sx > _I32, y.data_ptr() & 15) if cfg is None else None
-    _FWD(key, -(-T // bm), (x2, w, y, T, sx, H, eps), dict(H=H, BLOCK_M=bm, BLOCK_A=ba, BLOCK_B=bb), nw, ns)
+    _launch(kernels._rmsnorm_fwd_kernel, -(-T // bm), (x2, w, y, T, sx, H, eps), dict(H=H, BLOCK_M=bm, BLOCK_A=ba, BLOCK_B=bb), nw, ns)
     return y
 
 
@@ -183,14 +181,12 @@ def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, progr
     consts = dict(H=H, BLOCK_M=bm, BLOCK_A=ba, BLOCK_B=bb, STAGES=st, GROUP=GROUP, RED_C=64 * nw, ATOMIC=atomic)
     if atomic:
         dw, target = _reduce.weight_grad_buffers(OP, grid, H, weight, True)
-        _BWD(None, grid, (x2, w, dy2, dx, target, target, target, T, sx, sdy, H, rows_per_prog, eps), consts, nw, st)
+        _launch(kernels._rmsnorm_bwd_kernel, grid, (x2, w, dy2, dx, target, target, target, T, sx, sdy, H, rows_per_prog, eps), consts, nw, st)
         return dx, _reduce.finish_weight_grad(dw, target, grid, H, True)
     dw = torch.empty(H, dtype=weight.dtype, device=weight.device)
     part = _reduce.partial_rows(OP, _reduce.finish_rows(grid, GROUP) * H, weight.device)
     cnt = _reduce.counters(x)
-    key = (H, bm, nw, st, w.dtype, T > _I32 or sx > _I32 or sdy > _I32,
-           (dx.data_ptr() | dw.data_ptr() | part.data_ptr() | cnt.data_ptr()) & 15) if cfg is None else None
-    _BWD(key, grid, (x2, w, dy2, dx, part, cnt, dw, T, sx, sdy, H, rows_per_prog, eps), consts, nw, st)
+    _launch(kernels._rmsnorm_bwd_kernel, grid, (x2, w, dy2, dx, part, cnt, dw, T, sx, sdy, H, rows_per_prog, eps), consts, nw, st)
     return dx, dw
 
 
@@ -226,15 +222,6 @@ class _RMSNormFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx, dw = _bwd(dy, x, weight, ctx.eps, ctx.deterministic, ctx.H)
         return dx, dw, None, None, None
-
-
-# `torch.autograd.Function.apply` binds its arguments in Python before calling the C++ `_FunctionBase.apply`
-# (~10 us per call on a 2-core CPU); the eager path calls the C++ apply directly when that is available.
-try:
-    _C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _RMSNormFn)
-    _unwrap_dead = torch._C._functorch.unwrap_if_dead
-except (AttributeError, KeyError):  # another torch layout: the public apply
-    _C_APPLY = None
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -283,10 +270,7 @@ def zero_centered_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
     deterministic = config.variant(OP) == "det"
     if torch.compiler.is_compiling():
         return _fwd_op(x, weight, float(eps), deterministic)
-    if _C_APPLY is None or torch._C._are_functorch_transforms_active():
-        return _RMSNormFn.apply(x, weight, float(eps), deterministic, H)
-    # what `Function.apply` does when no functorch transform is active, without its Python argument binding
-    return _C_APPLY(_unwrap_dead(x), _unwrap_dead(weight), float(eps), deterministic, H)
+    return _RMSNormFn.apply(x, weight, float(eps), deterministic, H)
 
 
 # ------------------------------------------------------------------------------------------------------------------
