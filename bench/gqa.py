@@ -76,8 +76,10 @@ def ours(lens, hq, hkv, variant, cfg=None, fused=None):
     q, k, v, do, cu = make(lens, hq, hkv)
     out, lse = ops.gqa_forward(q, k, v, cu, cu, SCALE, cfg)
     tf = median_ms(lambda: ops.gqa_forward(q, k, v, cu, cu, SCALE, cfg))
-    tb = median_ms(lambda: ops.gqa_backward(do, q, k, v, out, lse, cu, cu, SCALE, variant, cfg, fused))
-    grads = ops.gqa_backward(do, q, k, v, out, lse, cu, cu, SCALE, variant, cfg, fused)
+    # max_seqlen_k as the public entry point passes it (it lets the dK/dV grid run in rounds)
+    tb = median_ms(lambda: ops.gqa_backward(do, q, k, v, out, lse, cu, cu, SCALE, variant, cfg, fused,
+                                            max_seqlen_k=max(lens)))
+    grads = ops.gqa_backward(do, q, k, v, out, lse, cu, cu, SCALE, variant, cfg, fused, max_seqlen_k=max(lens))
     return tf, tb, (out, lse) + tuple(grads)
 
 
@@ -197,7 +199,8 @@ def tune(args):
                         oo, ll = ops.gqa_forward(qq, kk, vv, cc, cc, SCALE)
                         part = ("dq",) if name == "dq" else ("dkdv",) + (("dq",) if fused else ())
                         r[shape] = median_ms(lambda: ops.gqa_backward(dd, qq, kk, vv, oo, ll, cc, cc, SCALE,
-                                                                      "fast", cfg, fused, parts=part))
+                                                                      "fast", cfg, fused, parts=part,
+                                                                      max_seqlen_k=max(lens)))
                         if name == "dq":
                             r["delta " + shape] = median_ms(lambda: ops.gqa_backward(
                                 dd, qq, kk, vv, oo, ll, cc, cc, SCALE, "fast", cfg, fused, parts=("delta",)))

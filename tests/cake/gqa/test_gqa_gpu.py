@@ -200,6 +200,30 @@ def test_packing_invariance():
             _equal(ref, got)
 
 
+
+def test_paired_key_tiles_same_bits(monkeypatch):
+    """dK/dV with paired key tiles (i, n-1-i per program: chosen per call on near-equal documents) and with one tile
+    per program give the same bits at the sm_90a blocks; padding rows 0; and "auto" on near-equal documents."""
+    from miles_ext_kernels.cake._impl.gqa import ops
+
+    lens_q, lens_k = [700, 300, 0, 513], [700, 300, 0, 600]
+    inp = _inputs(lens_q, lens_k, 8, 2, pad_q=100, pad_k=70, seed=21)
+    got = {}
+    for pair in (True, False):
+        monkeypatch.setitem(ops.CONFIGS, "sm_90a", dict(ops.CONFIGS["sm_90a"],
+                                                        dkdv=dict(ops.CONFIGS["sm_90a"]["dkdv"], PAIR=pair)))
+        got[pair] = _run(*inp, max_k=max(lens_k))
+    _equal(got[True], got[False])
+    dk = got[True][3]
+    assert torch.equal(dk[sum(lens_k):], torch.zeros_like(dk[sum(lens_k):])) and bool(dk.isfinite().all())
+    monkeypatch.undo()
+    uni = _inputs([640] * 4, [640] * 4, 3, 1, seed=22)
+    a = _run(*uni, max_k=640)  # "auto" with these lengths takes whichever route the model picks
+    monkeypatch.setitem(ops.CONFIGS, "sm_90a", dict(ops.CONFIGS["sm_90a"],
+                                                    dkdv=dict(ops.CONFIGS["sm_90a"]["dkdv"], PAIR=False)))
+    _equal(a, _run(*uni, max_k=640))
+
+
 def test_no_sync():
     inp = _inputs([700, 300], [700, 300], 4, 2, seed=10)
     qr, kr, vr = (t.detach().clone().requires_grad_() for t in inp[:3])

@@ -12,7 +12,9 @@ diagonal (a scalar branch): on triton 3.6 a second, unmasked loop doubled the pi
 Backward: `_bwd_dq_kernel` (per query tile and head, key blocks in order; also writes delta = rowsum(dO * O)), then
 `_bwd_dkdv_kernel` (per key tile and kv head, the group's query heads in a fixed order). With S_ROWS the dK/dV
 kernel computes S = Q K^T with 128 query rows as M (both warpgroups busy; a 64-row M is replicated across them)
-and transposes bf16 P and dS for the dV / dK products. FUSE_DQ (fp32 atomics for dQ inside the dK/dV kernel) and
+and transposes bf16 P and dS for the dV / dK products. With PAIR a dK/dV program takes key tiles i and n-1-i of its
+segment (even work per program: the launcher picks it per call where a model of the schedule predicts a shorter
+tail); each tile is computed the same way, so the bits do not change. FUSE_DQ (fp32 atomics for dQ inside the dK/dV kernel) and
 `_bwd_delta_kernel` serve a fused-dQ fast variant that no arch config selects today (slower on sm_90a).
 
 Interpreter (CPU tests): bf16 arithmetic is wrong there, so under `INTERPRET` operands are upcast to fp32 after
@@ -331,16 +333,19 @@ def _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, of
     rel = (q_row0 + m).to(tl.int64)
     rvalid = rows < L_q
     q = tl.load(Q + rel * sqt + h * sqh + (offs_m[:, None] * sqt + offs_d[None, :]), mask=rvalid[:, None], other=0.0)
-    do = tl.load(DO + rel * sdt + h * sdh + (offs_m[:, None] * sdt + offs_d[None, :]), mask=rvalid[:, None],
-                 other=0.0)
     lse = tl.load(LSE + h.to(tl.int64) * T_q + q_row0 + rows, mask=rvalid, other=0.0)
-    delta = tl.load(DELTA + h.to(tl.int64) * T_q + q_row0 + rows, mask=rvalid, other=0.0)
     if INTERPRET:
         q = q.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BM, BN]
+    # dO is loaded after S (the loop has one stage, so loads pass through registers): with both tiles loaded first,
+    # 128 registers of them were live at once and the loop spilled more (dK/dV kernel -4 % on the H200)
+    do = tl.load(DO + rel * sdt + h * sdh + (offs_m[:, None] * sdt + offs_d[None, :]), mask=rvalid[:, None],
+                 other=0.0)
+    delta = tl.load(DELTA + h.to(tl.int64) * T_q + q_row0 + rows, mask=rvalid, other=0.0)
+    if INTERPRET:
         do = do.to(tl.float32)
     lse2 = lse * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BM, BN]
     p = tl.math.exp2(s - lse2[:, None])
     if n0 + BN > m + offset + 1:  # only blocks on the causal diagonal need the mask
         keep = (n0 + offs_n)[None, :] <= rows[:, None] + offset
@@ -367,7 +372,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU_Q, CU_K, TS,
                      sm_scale, T_q, T_k, n_seg, n_iter, H_kv, group,
                      sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, sdkt, sdkh, sdvt, sdvh,
                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FUSE_DQ: tl.constexpr,
-                     S_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
+                     S_ROWS: tl.constexpr, INTERPRET: tl.constexpr, PAIR: tl.constexpr = False):
+    """dK, dV of key tiles of BN rows. PAIR: TS counts pairs of tiles (2 * BN rows) and a program computes key tiles
+    i and n - 1 - i of its segment (n tiles): the first tiles see the most query blocks, the last the fewest, so
+    programs of one segment get even work and no heavy tile starts last. A tile is computed the same way either way
+    (same bits)."""
     pid = tl.program_id(0)
     hk = pid % H_kv
     t = pid // H_kv
@@ -376,50 +385,69 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU_Q, CU_K, TS,
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     if t >= total:
-        rows = tl.load(CU_K + n_seg) + (t - total) * BN + offs_n
-        rmask = rows < T_k
-        r64 = rows.to(tl.int64)
-        tl.store(DK + r64[:, None] * sdkt + hk * sdkh + offs_d[None, :],
-                 tl.zeros([BN, D], dtype=DK.dtype.element_ty), mask=rmask[:, None])
-        tl.store(DV + r64[:, None] * sdvt + hk * sdvh + offs_d[None, :],
-                 tl.zeros([BN, D], dtype=DV.dtype.element_ty), mask=rmask[:, None])
+        # padding rows past cu_seqlens_k[-1]: dK, dV 0 (PAIR: 2 * BN rows per program)
+        for half in range(2 if PAIR else 1):
+            rows = tl.load(CU_K + n_seg) + ((t - total) * (2 if PAIR else 1) + half) * BN + offs_n
+            rmask = rows < T_k
+            r64 = rows.to(tl.int64)
+            tl.store(DK + r64[:, None] * sdkt + hk * sdkh + offs_d[None, :],
+                     tl.zeros([BN, D], dtype=DK.dtype.element_ty), mask=rmask[:, None])
+            tl.store(DV + r64[:, None] * sdvt + hk * sdvh + offs_d[None, :],
+                     tl.zeros([BN, D], dtype=DV.dtype.element_ty), mask=rmask[:, None])
     else:
-        # TS counts key tiles: _find_tile's "a" is the key side here
+        # TS counts key tiles (PAIR: pairs): _find_tile's "a" is the key side here
         local, k0, L_k, q0, L_q = _find_tile(TS, CU_K, CU_Q, t, n_seg, n_iter, False)
-        n0 = local * BN
         offset = L_k - L_q
         qk_scale = sm_scale * 1.4426950408889634
-        kvalid = (n0 + offs_n) < L_k
-        krow0 = (k0 + n0).to(tl.int64)
-        k = tl.load(K + krow0 * skt + hk * skh + (offs_n[:, None] * skt + offs_d[None, :]),
-                    mask=kvalid[:, None], other=0.0)
-        v = tl.load(V + krow0 * svt + hk * svh + (offs_n[:, None] * svt + offs_d[None, :]),
-                    mask=kvalid[:, None], other=0.0)
-        if INTERPRET:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        dk = tl.zeros([BN, D], dtype=tl.float32)
-        dv = tl.zeros([BN, D], dtype=tl.float32)
-        # query blocks (aligned to the segment start) that see some key of the tile: [m_lo, L_q);
-        # those from m_full on see every key of it (no causal mask)
-        m_lo = (tl.maximum(n0 - offset, 0) // BM) * BM
-        m_full = tl.maximum(((tl.maximum(n0 + BN - 1 - offset, 0) + BM - 1) // BM) * BM, m_lo)
-        for g in range(group):
-            h = hk * group + g
-            for m in range(m_lo, L_q, BM):
-                if S_ROWS:
-                    dk, dv = _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d,
-                                           n0, offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
-                                           BN, FUSE_DQ, INTERPRET)
-                else:
-                    dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
-                                         offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
-                                         True, FUSE_DQ, INTERPRET)
-        dk = dk * sm_scale
-        tl.store(DK + krow0 * sdkt + hk * sdkh + (offs_n[:, None] * sdkt + offs_d[None, :]),
-                 dk.to(DK.dtype.element_ty), mask=kvalid[:, None])
-        tl.store(DV + krow0 * sdvt + hk * sdvh + (offs_n[:, None] * sdvt + offs_d[None, :]),
-                 dv.to(DV.dtype.element_ty), mask=kvalid[:, None])
+        if PAIR:
+            n_kt = (L_k + BN - 1) // BN
+            for which in range(tl.minimum(n_kt - 2 * local, 2)):  # 1 when the pair is the middle tile alone
+                j = tl.where(which == 0, local, n_kt - 1 - local)
+                _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, j, k0, L_k, q0, L_q, hk, group, offset, qk_scale,
+                           sm_scale, T_q, sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, sdkt, sdkh, sdvt, sdvh,
+                           offs_m, offs_n, offs_d, D, BM, BN, FUSE_DQ, S_ROWS, INTERPRET)
+        else:
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, local, k0, L_k, q0, L_q, hk, group, offset, qk_scale,
+                       sm_scale, T_q, sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, sdkt, sdkh, sdvt, sdvh,
+                       offs_m, offs_n, offs_d, D, BM, BN, FUSE_DQ, S_ROWS, INTERPRET)
+
+
+@triton.jit
+def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, j, k0, L_k, q0, L_q, hk, group, offset, qk_scale, sm_scale, T_q,
+               sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, sdkt, sdkh, sdvt, sdvh, offs_m, offs_n, offs_d,
+               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FUSE_DQ: tl.constexpr, S_ROWS: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """dK, dV of key tile j (rows j * BN ...) of a segment: the group's query heads in order, query blocks in order."""
+    n0 = j * BN
+    kvalid = (n0 + offs_n) < L_k
+    krow0 = (k0 + n0).to(tl.int64)
+    k = tl.load(K + krow0 * skt + hk * skh + (offs_n[:, None] * skt + offs_d[None, :]), mask=kvalid[:, None],
+                other=0.0)
+    v = tl.load(V + krow0 * svt + hk * svh + (offs_n[:, None] * svt + offs_d[None, :]), mask=kvalid[:, None],
+                other=0.0)
+    if INTERPRET:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BN, D], dtype=tl.float32)
+    dv = tl.zeros([BN, D], dtype=tl.float32)
+    # query blocks (aligned to the segment start) that see some key of the tile: [m_lo, L_q)
+    m_lo = (tl.maximum(n0 - offset, 0) // BM) * BM
+    for g in range(group):
+        h = hk * group + g
+        for m in range(m_lo, L_q, BM):
+            if S_ROWS:
+                dk, dv = _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d,
+                                       n0, offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
+                                       BN, FUSE_DQ, INTERPRET)
+            else:
+                dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
+                                     offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
+                                     True, FUSE_DQ, INTERPRET)
+    dk = dk * sm_scale
+    tl.store(DK + krow0 * sdkt + hk * sdkh + (offs_n[:, None] * sdkt + offs_d[None, :]),
+             dk.to(DK.dtype.element_ty), mask=kvalid[:, None])
+    tl.store(DV + krow0 * sdvt + hk * sdvh + (offs_n[:, None] * sdvt + offs_d[None, :]),
+             dv.to(DV.dtype.element_ty), mask=kvalid[:, None])
 
 
 @triton.jit(do_not_specialize=["n_elem", "sm_scale"])

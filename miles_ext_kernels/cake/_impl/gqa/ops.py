@@ -5,6 +5,8 @@ custom ops `miles_ext_kernels::gqa_fwd` / `gqa_bwd` with autograd registered -> 
 """
 from __future__ import annotations
 
+import functools
+import heapq
 import math
 
 import torch
@@ -25,7 +27,9 @@ CONFIGS = {
         "fwd": dict(BM=128, BN=64, num_warps=8, num_stages=2, DIAG_ONLY=True),
         "dq": dict(BM=128, BN=64, num_warps=8, num_stages=1),
         # S = Q K^T with 128 query rows as M: both warpgroups share the work (a 64-row M replicates it)
-        "dkdv": dict(BM=128, BN=64, num_warps=8, num_stages=1, S_ROWS=True),
+        # PAIR "auto": programs take key tiles i and n-1-i of a segment where a model of the schedule says it
+        # shortens it (near-equal documents, few programs per SM); the bits are the same either way
+        "dkdv": dict(BM=128, BN=64, num_warps=8, num_stages=1, S_ROWS=True, PAIR="auto"),
         "delta": dict(BR=32, num_warps=4, num_stages=1),
         "prefix": dict(BLOCK=1024, num_warps=4, num_stages=1),
         "cast": dict(BLOCK=4096, num_warps=4, num_stages=1),
@@ -34,7 +38,7 @@ CONFIGS = {
     INTERPRETER_ARCH: {
         "fwd": dict(BM=16, BN=16, num_warps=4, num_stages=1, DIAG_ONLY=True),
         "dq": dict(BM=16, BN=16, num_warps=4, num_stages=1),
-        "dkdv": dict(BM=16, BN=16, num_warps=4, num_stages=1, S_ROWS=True),
+        "dkdv": dict(BM=16, BN=16, num_warps=4, num_stages=1, S_ROWS=True, PAIR=True),
         "delta": dict(BR=16, num_warps=4, num_stages=1),
         "prefix": dict(BLOCK=64, num_warps=4, num_stages=1),
         "cast": dict(BLOCK=1024, num_warps=4, num_stages=1),
@@ -45,6 +49,48 @@ CONFIGS = {
 FAST_FUSED_DQ = {"sm_90a": False, INTERPRETER_ARCH: False}
 
 SCRATCH_ROLE = (OP_NAME, "bwd_scratch")
+PAIR_MAX_WAVES = 12  # PAIR "auto" models the schedule only up to this many dK/dV programs per SM
+# ... and pairs only where the model's makespan drops below this fraction: on the H200 the paired kernel spills a
+# little more, and a predicted -20 % (16 x 2048, 3 query heads over 1) measured -7.5 % while a predicted -7 %
+# (16 x 2048, 16 over 2) measured +1 % (H200, triton 3.6, 2026-11-30)
+PAIR_GAIN = 0.85
+
+
+@functools.lru_cache(maxsize=256)
+def _pair_helps(n_seg: int, length: int, h_kv: int, group: int, n_sm: int, bn: int, bm: int) -> bool:
+    """Whether pairing key tiles (i, n-1-i) shortens the dK/dV schedule of `n_seg` documents of `length` tokens:
+    greedy list schedule of the programs on `n_sm` SMs (one program per SM at a time), cost = query blocks each
+    program runs. Only the launch order depends on it, never the bits."""
+    n_kt = -(-length // bn)
+
+    def cost(j):
+        return group * -(-(length - (j * bn // bm) * bm) // bm)
+
+    def makespan(costs):
+        sms = [0.0] * n_sm
+        heapq.heapify(sms)
+        for c in costs:
+            heapq.heappush(sms, heapq.heappop(sms) + c)
+        return max(sms)
+
+    single = [cost(j) + 1.0 for _ in range(n_seg) for j in range(n_kt) for _ in range(h_kv)]
+    paired = [cost(i) + (cost(n_kt - 1 - i) if n_kt - 1 - i != i else 0) + 1.0
+              for _ in range(n_seg) for i in range(-(-n_kt // 2)) for _ in range(h_kv)]
+    return makespan(paired) < PAIR_GAIN * makespan(single)
+
+
+def _use_pair(mode, B, T_k, max_seqlen_k, H_kv, group, device, c) -> bool:
+    """PAIR config: True / False, or "auto": pair when the documents look equal (B * max_seqlen_k close to T_k, so
+    every document is near max_seqlen_k long) and the schedule model says pairing shortens the launch."""
+    if mode != "auto":
+        return bool(mode)
+    if max_seqlen_k is None or B < 2 or max_seqlen_k <= 0 or B * max_seqlen_k > T_k * 1.1 \
+            or B * max_seqlen_k < T_k * 0.9:
+        return False
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    if B * cdiv(max_seqlen_k, c["BN"]) * H_kv > PAIR_MAX_WAVES * n_sm:
+        return False  # many programs per SM: the launch's tail is short anyway (and the model would cost ms)
+    return _pair_helps(B, max_seqlen_k, H_kv, group, n_sm, c["BN"], c["BM"])
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
@@ -109,8 +155,9 @@ def _align(n: int) -> int:
 
 
 def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, cfg=None, fused=None,
-                 parts=("delta", "dkdv", "dq")):
-    """(dq, dk, dv) in the dtypes of q, k, v. `cfg`, `fused` and `parts` override the config (benchmarks only)."""
+                 parts=("delta", "dkdv", "dq"), max_seqlen_k=None):
+    """(dq, dk, dv) in the dtypes of q, k, v. `cfg`, `fused` and `parts` override the config (benchmarks only).
+    `max_seqlen_k` (the caller's contract) lets the dK/dV launch pair key tiles (config PAIR "auto")."""
     arch = check_device(q, "q")
     cfg = cfg or CONFIGS[arch]
     if fused is None:
@@ -154,11 +201,13 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
         K._bwd_delta_kernel[(cdiv(T_q, cd["BR"]) * H_q,)](
             out, do, delta, T_q, H_q, sot, soh, sdt, sdh,
             D=D, BR=cd["BR"], INTERPRET=INTERPRET, num_warps=cd["num_warps"], num_stages=cd["num_stages"])
-    upper_k = cdiv(T_k, ckv["BN"]) + B
+    pair = "dkdv" in parts and _use_pair(ckv.get("PAIR", False), B, T_k, max_seqlen_k, H_kv, group, q.device, ckv)
+    tile_k = ckv["BN"] * (2 if pair else 1)  # PAIR: the prefix counts pairs of key tiles
+    upper_k = cdiv(T_k, tile_k) + B
     if fused:
         dqa.zero_()
     if upper_k * H_kv > 0 and "dkdv" in parts:
-        _prefix(cu_k, ts_k, ckv["BN"], cfg)
+        _prefix(cu_k, ts_k, tile_k, cfg)
         sat, sah = H_q * D, D
         K._bwd_dkdv_kernel[(upper_k * H_kv,)](
             q, k, v, do, lse, delta, dk, dv, dqa, cu_q, cu_k, ts_k,
@@ -166,6 +215,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
             sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, dk.stride(0), dk.stride(1), dv.stride(0),
             dv.stride(1),
             D=D, BM=ckv["BM"], BN=ckv["BN"], FUSE_DQ=fused, S_ROWS=ckv.get("S_ROWS", False), INTERPRET=INTERPRET,
+            PAIR=pair,
             num_warps=ckv["num_warps"], num_stages=ckv["num_stages"])
     if fused:
         n = T_q * H_q * D
@@ -210,11 +260,14 @@ def routes(**model_params):
                      {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "INTERPRET": False, **launch(c)}, "bwd_dq"))
     c = cfg["dkdv"]
     for fused in (False, True) if FAST_FUSED_DQ[arch] else (False,):
-        out.append(Route(K._bwd_dkdv_kernel, (bf, bf, bf, bf, f32, f32, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n,
-                                              n, n, n) + (st, sh) * 7, (1,),
-                         {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "FUSE_DQ": fused,
-                          "S_ROWS": c.get("S_ROWS", False), "INTERPRET": False,
-                          **launch(c)}, f"bwd_dkdv{'_fused_dq' if fused else ''}"))
+        # PAIR "auto" takes either route per call
+        pairs = {"auto": (False, True), True: (True,), False: (False,)}[c.get("PAIR", False)]
+        for pair in pairs:
+            out.append(Route(K._bwd_dkdv_kernel, (bf, bf, bf, bf, f32, f32, bf, bf, f32, i32, i32, i32, 0.0625, n, n,
+                                                  n, n, n, n) + (st, sh) * 7, (1,),
+                             {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "FUSE_DQ": fused,
+                              "S_ROWS": c.get("S_ROWS", False), "INTERPRET": False, "PAIR": pair, **launch(c)},
+                             f"bwd_dkdv{'_fused_dq' if fused else ''}{'_pair' if pair else ''}"))
     if FAST_FUSED_DQ[arch]:
         c = cfg["cast"]
         out.append(Route(K._dq_cast_kernel, (f32, bf, n, 0.0625), (1,), {"BLOCK": c["BLOCK"], **launch(c)},
@@ -226,14 +279,15 @@ def routes(**model_params):
 # torch.library custom ops, so torch.compile(fullgraph=True) traces the op
 @torch.library.custom_op("miles_ext_kernels::gqa_fwd", mutates_args=())
 def gqa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-            cu_seqlens_k: torch.Tensor, softmax_scale: float, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
+            cu_seqlens_k: torch.Tensor, softmax_scale: float, variant: str,
+            max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     # out and LSE come from the same kernel in both variants
     with device_guard(q):
         return gqa_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
 
 
 @gqa_fwd.register_fake
-def _gqa_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant):
+def _gqa_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant, max_seqlen_k):
     T_q, H_q, D = q.shape
     return q.new_empty((T_q, H_q, D)), q.new_empty((H_q, T_q), dtype=torch.float32)
 
@@ -241,21 +295,23 @@ def _gqa_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant):
 @torch.library.custom_op("miles_ext_kernels::gqa_bwd", mutates_args=())
 def gqa_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, softmax_scale: float,
-            variant: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            variant: str, max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with device_guard(q):
-        return gqa_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant)
+        return gqa_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant,
+                            max_seqlen_k=max_seqlen_k)
 
 
 @gqa_bwd.register_fake
-def _gqa_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant):
+def _gqa_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant, max_seqlen_k):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, scale, variant = inputs
+    q, k, v, cu_q, cu_k, scale, variant, max_seqlen_k = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.scale = scale
+    ctx.max_seqlen_k = max_seqlen_k
     ctx.variant = variant  # a backward runs the variant its forward ran
     ctx.mark_non_differentiable(lse)
 
@@ -264,8 +320,9 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.miles_ext_kernels.gqa_bwd(dout, q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.variant)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = torch.ops.miles_ext_kernels.gqa_bwd(dout, q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.variant,
+                                                     ctx.max_seqlen_k)
+    return dq, dk, dv, None, None, None, None, None
 
 
 gqa_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -332,5 +389,6 @@ def varlen_gqa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_k, s
     if config.option(OP_NAME, "check_seqlens"):
         check_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_k)
     scale = DEFAULT_SCALE if softmax_scale is None else float(softmax_scale)
-    out, lse = torch.ops.miles_ext_kernels.gqa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, variant)
+    out, lse = torch.ops.miles_ext_kernels.gqa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, variant,
+                                                   int(max_seqlen_k))
     return (out, lse) if return_lse else out
