@@ -8,8 +8,9 @@ q, k `[B, T, H, K]`, v `[B, T, HV, V]` bf16 with HV a multiple of H (value head 
 g (log-decay) and beta `[B, T, HV]` fp32 (bf16 / fp16 accepted, gradients come back in their dtype); packed
 documents with `cu_seqlens` int `[N + 1]` and B = 1; states `[N, HV, K, V]` fp32. K, V in {16, 32, 64, 128}.
 
-Variants: det and fast launch the same kernels. No kernel uses atomics or a split reduction, so o, the final state
-and every gradient (dq, dk, dv, dg, dbeta, dh0) repeat bit for bit in either variant.
+Variants: det and fast launch the same kernels. No kernel uses atomics, and every sum split over programs or
+launches is added in one fixed order, so o, the final state and every gradient (dq, dk, dv, dg, dbeta, dh0) repeat
+bit for bit in either variant.
 Option `--cake-gdn-recompute-state` (configure(gdn_recompute_state=True)): the backward recomputes w, u, the
 per-chunk states and v_new instead of keeping them from the forward (less memory: at 32k tokens, 32 heads,
 K = V = 128 that is 0.81 GB of activations per layer less).

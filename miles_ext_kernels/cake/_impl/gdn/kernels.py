@@ -328,8 +328,9 @@ def bwd_dvl_kernel(q, k, do, gc, cu, table, dvl, scale, H, HV, K: tl.constexpr, 
 @triton.jit(do_not_specialize=["H", "HV"])
 def bwd_dh_kernel(q, k, w, do, dvl, gc, cu, dht, dh0, dhe, dd, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    """Reverse state recurrence: dhe[slot] = d(state at the chunk end); dd = full d(dlt); dh0."""
+                  FUSE_DVL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Reverse state recurrence: dhe[slot] = d(state at the chunk end); dd = full d(dlt); dh0. With FUSE_DVL the
+    in-chunk part of d(dlt) (bwd_dvl_kernel's) is computed here (`dvl` unused) instead of read."""
     iv = tl.program_id(1)
     pid = tl.program_id(0)  # (sequence, value head) on the unbounded grid axis
     n = pid // HV
@@ -361,13 +362,20 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, cu, dht, dh0, dhe, dd, scale, H, HV, K: 
         fac = tl.where(m, tl.exp(g_last - b_gc), 0.)
         b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
         b_kd = _rnd((b_k.to(tl.float32) * fac[:, None]), DT, INTERPRET)
-        b_dvl = tl.load(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
-        b_dd = b_dvl.to(tl.float32) + _dot(b_kd, _rnd(b_dh, DT, INTERPRET), INTERPRET)
+        b_qr = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)  # q^T
+        b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
+        if FUSE_DVL:
+            b_st = _dot(b_k, b_qr, INTERPRET)  # [j, i] = k_j . q_i (k q^T: no transposed dot result)
+            mst = o_t[None, :] >= o_t[:, None]
+            b_st = tl.where(mst, b_st * tl.exp(tl.where(mst, b_gc[None, :] - b_gc[:, None], 0.)), 0.) * scale
+            b_dvl = _dot(_rnd(b_st, DT, INTERPRET), b_do, INTERPRET)
+        else:
+            b_dvl = tl.load(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None],
+                            other=0.).to(tl.float32)
+        b_dd = b_dvl + _dot(b_kd, _rnd(b_dh, DT, INTERPRET), INTERPRET)
         b_dd = _rnd(b_dd, DT, INTERPRET)
         tl.store(dd + rows[:, None] * (HV * V) + hv * V + o_v[None, :], b_dd, mask=m[:, None])
-        b_qt = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
-        b_qt = _rnd((b_qt.to(tl.float32) * tl.where(m, tl.exp(b_gc) * scale, 0.)[None, :]), DT, INTERPRET)
-        b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
+        b_qt = _rnd((b_qr.to(tl.float32) * tl.where(m, tl.exp(b_gc) * scale, 0.)[None, :]), DT, INTERPRET)
         b_wt = tl.load(w + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)
         b_dh = b_dh * tl.exp(g_last) + _dot(b_qt, b_do, INTERPRET) - _dot(b_wt, b_dd, INTERPRET)
     if STORE_DH0:
@@ -376,10 +384,16 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, cu, dht, dh0, dhe, dd, scale, H, HV, K: 
 
 @triton.jit(do_not_specialize=["H", "HV"])
 def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, scale, H, HV, K: tl.constexpr,
-                    V: tl.constexpr, BT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Per chunk: dq, dk (through o and the state update), dw = -dd h^T and the partial dG (per value head)."""
-    p = tl.program_id(0)
+                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PHASE: tl.constexpr, NPART: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """Per chunk and BK-wide slice of K: dq, dk (through o and the state update), dw = -dd h^T and the slice's part
+    of dG (per value head). PHASE 0 does all; PHASE 1 only dq, dw; PHASE 2 only dk (two launches, fewer live
+    tiles each). dgp [T, HV, (K // BK) * NPART] holds the partial dG sums (slice-major, then phase), added in that
+    order by the WY backward."""
+    pid = tl.program_id(0)
     hv = tl.program_id(1)
+    p = pid // (K // BK)
+    ik = pid % (K // BK)
     n = tl.load(table + 2 * p)
     if n < 0:
         return
@@ -389,7 +403,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
     hk = hv // (HV // H)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
+    o_k = ik * BK + tl.arange(0, BK)
     o_v = tl.arange(0, V)
     t0 = bos + ic * BT
     rows = t0 + o_t
@@ -397,56 +411,64 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
     qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
     v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
     vt_off = rows[None, :] * (HV * V) + hv * V + o_v[:, None]
-    st_t = (p.to(tl.int64) * HV + hv) * (K * V) + o_k[None, :] * V + o_v[:, None]  # [V, K] view of a state
-    st0 = (p.to(tl.int64) * HV + hv) * (K * V)
+    st_t = (p.to(tl.int64) * HV + hv) * (K * V) + o_k[None, :] * V + o_v[:, None]  # [V, BK] view of a state
+    st0 = (p.to(tl.int64) * HV + hv) * (K * V) + ik * BK * V
     out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
     b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
     last = tl.minimum(t0 + BT, eos) - 1
-    g_last = tl.load(gc + last * HV + hv)
+    b_dg = tl.zeros([BT], dtype=tl.float32)
     # phases with short live ranges (fewer operand tiles live at once): dq and dw, then dk, then dg's last term
-    b_do = tl.load(do + v_off, mask=m[:, None], other=0.)
-    b_ht = tl.load(h + st_t)
-    b_dq = _dot(b_do, b_ht, INTERPRET) * (tl.exp(b_gc) * scale)[:, None]
-    b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
-    b_dw = -_dot(b_dd, b_ht, INTERPRET)
-    tl.store(dw + out_k, _rnd(b_dw, dw.dtype.element_ty, INTERPRET), mask=m[:, None])
-    msk = o_t[:, None] >= o_t[None, :]
-    b_vnt = tl.load(vn + vt_off, mask=m[None, :], other=0.)
-    b_dp = _dot(b_do, b_vnt, INTERPRET)
-    b_dp = tl.where(msk, b_dp * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
-    b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
-    b_dq += _dot(_rnd(b_dp, DT, INTERPRET), b_k, INTERPRET)
-    b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
-    b_dg = tl.sum(b_dq * b_q.to(tl.float32), 1)
-    tl.store(dq + out_k, b_dq, mask=m[:, None])
+    if PHASE != 2:
+        b_do = tl.load(do + v_off, mask=m[:, None], other=0.)
+        b_ht = tl.load(h + st_t)
+        b_dq = _dot(b_do, b_ht, INTERPRET) * (tl.exp(b_gc) * scale)[:, None]
+        b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
+        b_dw = -_dot(b_dd, b_ht, INTERPRET)
+        tl.store(dw + out_k, _rnd(b_dw, dw.dtype.element_ty, INTERPRET), mask=m[:, None])
+        msk = o_t[:, None] >= o_t[None, :]
+        b_vnt = tl.load(vn + vt_off, mask=m[None, :], other=0.)
+        b_dp = _dot(b_do, b_vnt, INTERPRET)
+        b_dp = tl.where(msk, b_dp * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
+        b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
+        b_dq += _dot(_rnd(b_dp, DT, INTERPRET), b_k, INTERPRET)
+        b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
+        b_dg += tl.sum(b_dq * b_q.to(tl.float32), 1)
+        tl.store(dq + out_k, _rnd(b_dq, dq.dtype.element_ty, INTERPRET), mask=m[:, None])
+    if PHASE != 1:
+        if PHASE == 2:
+            b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
+            b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
+        g_last = tl.load(gc + last * HV + hv)
+        mskt = o_t[None, :] >= o_t[:, None]
+        b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
+        b_dot = tl.load(do + vt_off, mask=m[None, :], other=0.)
+        b_dpt = _dot(b_vn, b_dot, INTERPRET)
+        b_dpt = tl.where(mskt, b_dpt * tl.exp(tl.where(mskt, b_gc[None, :] - b_gc[:, None], 0.)), 0.) * scale
+        b_dk = _dot(_rnd(b_dpt, DT, INTERPRET), b_q, INTERPRET)
+        fac = tl.where(m, tl.exp(g_last - b_gc), 0.)
+        b_dhet = tl.load(dhe + st_t)
+        b_dks = _dot(b_vn, b_dhet, INTERPRET) * fac[:, None]
+        b_kf = b_k.to(tl.float32)
+        ks = tl.sum(b_dks * b_kf, 1)
+        b_dg -= tl.sum(b_dk * b_kf, 1) + ks
+        tl.store(dk + out_k, b_dk + b_dks, mask=m[:, None])
 
-    mskt = o_t[None, :] >= o_t[:, None]
-    b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
-    b_dot = tl.load(do + vt_off, mask=m[None, :], other=0.)
-    b_dpt = _dot(b_vn, b_dot, INTERPRET)
-    b_dpt = tl.where(mskt, b_dpt * tl.exp(tl.where(mskt, b_gc[None, :] - b_gc[:, None], 0.)), 0.) * scale
-    b_dk = _dot(_rnd(b_dpt, DT, INTERPRET), b_q, INTERPRET)
-    fac = tl.where(m, tl.exp(g_last - b_gc), 0.)
-    b_dhet = tl.load(dhe + st_t)
-    b_dks = _dot(b_vn, b_dhet, INTERPRET) * fac[:, None]
-    b_kf = b_k.to(tl.float32)
-    ks = tl.sum(b_dks * b_kf, 1)
-    b_dg -= tl.sum(b_dk * b_kf, 1) + ks
-    tl.store(dk + out_k, b_dk + b_dks, mask=m[:, None])
-
-    hd = tl.sum(tl.zeros([32], dtype=tl.float32), 0)
-    for i0 in tl.static_range(0, K, 16):  # sum(h * dhe) in 16-row slices (few live registers)
-        sl = st0 + (i0 + tl.arange(0, 16))[:, None] * V + o_v[None, :]
-        hd += tl.sum(tl.sum(tl.load(h + sl).to(tl.float32) * tl.load(dhe + sl).to(tl.float32), 1), 0)
-    extra = tl.exp(g_last) * hd + tl.sum(ks, 0)
-    b_dg += tl.where(o_t == (last - t0), extra, 0.)
-    tl.store(dgp + rows * HV + hv, b_dg, mask=m)
+        hd = tl.sum(tl.zeros([32], dtype=tl.float32), 0)
+        for i0 in tl.static_range(0, BK, 16):  # sum(h * dhe) over the slice in 16-row pieces (few live registers)
+            sl = st0 + (i0 + tl.arange(0, 16))[:, None] * V + o_v[None, :]
+            hd += tl.sum(tl.sum(tl.load(h + sl).to(tl.float32) * tl.load(dhe + sl).to(tl.float32), 1), 0)
+        extra = tl.exp(g_last) * hd + tl.sum(ks, 0)
+        b_dg += tl.where(o_t == (last - t0), extra, 0.)
+    tl.store(dgp + (rows * HV + hv) * ((K // BK) * NPART) + ik * NPART + PHASE // 2, b_dg, mask=m)
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dgp, dv, dbeta, dg, H, HV, K: tl.constexpr,
-                  V: tl.constexpr, BT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Backward through w = A X, u = A Y and A = (I + L)^-1; finishes dk, dv, dbeta and dg (reverse cumsum)."""
+def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dko, dgp, dv, dbeta, dg, H, HV, K: tl.constexpr,
+                  V: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr, VFIRST: tl.constexpr, INTERPRET: tl.constexpr):
+    """Backward through w = A X, u = A Y and A = (I + L)^-1; finishes dk, dv, dbeta and dg (reverse cumsum).
+    dko = dk + this kernel's dk (dko may be dk). dgp holds NK partial dG sums per row (added in order). VFIRST
+    orders the work for short live ranges: the v side (dv, its dbeta and dA terms), then dA's k term, the dL terms,
+    and the A^T dw terms last."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.load(table + 2 * p)
@@ -466,45 +488,76 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dgp, dv, dbeta, dg, 
     v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
     w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
 
-    b_kd = tl.load(k + k_off, mask=m[:, None], other=0.)
-    b_k = b_kd.to(tl.float32)
-    b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
     b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
     eg = tl.exp(b_gc)
     bx = b_b * eg
-    b_xf = b_k * bx[:, None]
-    b_x = _rnd(b_xf, DT, INTERPRET)
-    b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
-    # A^T, X^T, Y^T, k^T are transposes of loaded (not matmul-produced) tiles: safe on triton 3.6 Hopper
-    b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
-    b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
-    b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
-
-    b_dx = _dot(b_at, b_dw, INTERPRET)
-    b_dy = _dot(b_at, b_dd, INTERPRET)
-    tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])
-    b_db = tl.sum(b_dx * b_k * eg[:, None], 1) + tl.sum(b_dy * b_v, 1)
-    b_dk = b_dx * bx[:, None]
-    b_dg = tl.sum(b_dx * b_xf, 1)
-
-    b_da = _dot(b_dw, tl.trans(b_x), INTERPRET) + _dot(b_dd, tl.trans(b_y), INTERPRET)  # dA [i, j]
-    b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)  # -A^T dA A^T
     msk = o_t[:, None] > o_t[None, :]
-    b_dec = tl.where(msk, tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-    b_kk = _dot(b_kd, tl.trans(b_kd), INTERPRET)
-    b_dld = b_dl * b_dec
-    b_db += tl.sum(b_dld * b_kk, 1)
-    b_e = b_dld * b_kk * b_b[:, None]
-    b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
-    b_mm = _rnd((b_dld * b_b[:, None]), DT, INTERPRET)
-    # dk += M k + M^T k; M^T k = (k^T M)^T: the transposed product only feeds an add, never another matmul
-    b_dk += _dot(b_mm, b_kd, INTERPRET) + tl.trans(_dot(tl.trans(b_kd), b_mm, INTERPRET))
+    if VFIRST:
+        # A^T, Y^T, X^T, k^T are transposes of loaded (not matmul-produced) tiles: safe on triton 3.6 Hopper
+        b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
+        b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
+        b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
+        b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
+        b_dy = _dot(b_at, b_dd, INTERPRET)
+        tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])
+        b_db = tl.sum(b_dy * b_v, 1)
+        b_da = _dot(b_dd, tl.trans(b_y), INTERPRET)  # dA [i, j], v term
+        b_kd = tl.load(k + k_off, mask=m[:, None], other=0.)
+        b_x = _rnd((b_kd.to(tl.float32) * bx[:, None]), DT, INTERPRET)
+        b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
+        b_da += _dot(b_dw, tl.trans(b_x), INTERPRET)
+        b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)
+        b_dec = tl.where(msk, tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
+        b_kk = _dot(b_kd, tl.trans(b_kd), INTERPRET)
+        b_dld = b_dl * b_dec
+        b_db += tl.sum(b_dld * b_kk, 1)
+        b_e = b_dld * b_kk * b_b[:, None]
+        b_dg = tl.sum(b_e, 1) - tl.sum(b_e, 0)
+        b_mm = _rnd((b_dld * b_b[:, None]), DT, INTERPRET)
+        # M^T k = (k^T M)^T: the transposed product only feeds an add, never another matmul
+        b_dk = _dot(b_mm, b_kd, INTERPRET) + tl.trans(_dot(tl.trans(b_kd), b_mm, INTERPRET))
+        b_dx = _dot(b_at, b_dw, INTERPRET)
+        b_kf = b_kd.to(tl.float32)
+        b_db += tl.sum(b_dx * b_kf * eg[:, None], 1)
+        b_dg += tl.sum(b_dx * b_kf * bx[:, None], 1)
+        b_dk += b_dx * bx[:, None]
+    else:
+        b_kd = tl.load(k + k_off, mask=m[:, None], other=0.)
+        b_k = b_kd.to(tl.float32)
+        b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
+        b_xf = b_k * bx[:, None]
+        b_x = _rnd(b_xf, DT, INTERPRET)
+        b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
+        # A^T, X^T, Y^T, k^T are transposes of loaded (not matmul-produced) tiles: safe on triton 3.6 Hopper
+        b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
+        b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
+        b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
+
+        b_dx = _dot(b_at, b_dw, INTERPRET)
+        b_dy = _dot(b_at, b_dd, INTERPRET)
+        tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])
+        b_db = tl.sum(b_dx * b_k * eg[:, None], 1) + tl.sum(b_dy * b_v, 1)
+        b_dk = b_dx * bx[:, None]
+        b_dg = tl.sum(b_dx * b_xf, 1)
+
+        b_da = _dot(b_dw, tl.trans(b_x), INTERPRET) + _dot(b_dd, tl.trans(b_y), INTERPRET)  # dA [i, j]
+        b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)
+        b_dec = tl.where(msk, tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
+        b_kk = _dot(b_kd, tl.trans(b_kd), INTERPRET)
+        b_dld = b_dl * b_dec
+        b_db += tl.sum(b_dld * b_kk, 1)
+        b_e = b_dld * b_kk * b_b[:, None]
+        b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
+        b_mm = _rnd((b_dld * b_b[:, None]), DT, INTERPRET)
+        # dk += M k + M^T k; M^T k = (k^T M)^T: the transposed product only feeds an add, never another matmul
+        b_dk += _dot(b_mm, b_kd, INTERPRET) + tl.trans(_dot(tl.trans(b_kd), b_mm, INTERPRET))
 
     out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
     b_dk += tl.load(dk + out_k, mask=m[:, None], other=0.)
-    tl.store(dk + out_k, b_dk, mask=m[:, None])
-    b_dg += tl.load(dgp + rows * HV + hv, mask=m, other=0.)
+    tl.store(dko + out_k, _rnd(b_dk, dko.dtype.element_ty, INTERPRET), mask=m[:, None])
+    for ik in tl.static_range(NK):  # the K slices' partial dG, in slice order
+        b_dg += tl.load(dgp + (rows * HV + hv) * NK + ik, mask=m, other=0.)
     b_dg = tl.where(m, b_dg, 0.)
     b_dg = tl.sum(b_dg, 0) - tl.cumsum(b_dg, axis=0) + b_dg
     tl.store(dg + rows * HV + hv, b_dg, mask=m)
@@ -524,7 +577,7 @@ def bwd_final_kernel(x, dxv, dx, R, H, HV, K: tl.constexpr, BR: tl.constexpr, L2
     acc = tl.zeros([BR, K], dtype=tl.float32)
     for r in range(0, grp):
         acc += tl.load(dxv + rows64[:, None] * (HV * K) + (hh * grp + r) * K + o_k[None, :], mask=m[:, None],
-                       other=0.)
+                       other=0.).to(tl.float32)
     x_off = rows64[:, None] * (H * K) + hh * K + o_k[None, :]
     if L2:
         b_x = tl.load(x + x_off, mask=m[:, None], other=0.).to(tl.float32)

@@ -5,7 +5,8 @@ Forward: [L2 norm of q, k] -> prep (gc = in-chunk cumsum of g, A = (I + L)^-1) -
 every chunk-end state, full d(dlt), dh0) -> dq, dk, dw, partial dg -> WY backward (dk, dv, dbeta, dg) -> sum dq,
 dk over the value heads of each key head (fixed order) and back through the L2 norm.
 
-Both variants launch the same kernels: no kernel uses atomics or a split reduction, so `fast` is `det`.
+Both variants launch the same kernels: no kernel uses atomics and every split sum is added in one fixed order, so
+`fast` is `det`. Launch configs: configs.py (fixed per kernel).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from miles_ext_kernels.cake._runtime import build, config, workspace
 from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
 from miles_ext_kernels.cake.gdn import HEAD_DIMS  # the declaration owns the served head dims
 
+from . import configs
 from . import kernels as kn
 
 OP = "gdn"
@@ -24,16 +26,52 @@ BT = kn.BT
 IN_DTYPES = (torch.bfloat16,)
 GATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# fixed launch configs (no autotuning: a new process picks the same config, hence the same bits)
-_CHUNK_WARPS = 4  # prep, wu, o, dvl
-_BIG_WARPS = 8  # dqkw, wy
-_STATE_WARPS = 4  # fwd_h, bwd_dh
-_STAGES = 2
-_ROWS = 16  # l2norm / final rows per program
+_STAGES = 2  # default (the chunk kernels have no pipelined loop)
 
 
-def _bv(V: int) -> int:
-    return min(V, 32)
+def _cfg(name: str) -> dict:
+    """Launch options of one kernel (configs.CFG): num_warps, num_stages, and its tile constexprs."""
+    c = configs.CFG[name]
+    out = dict(num_warps=c["num_warps"], num_stages=c.get("num_stages", _STAGES))
+    return out
+
+
+def _bv(name: str, V: int) -> int:
+    return min(V, configs.CFG[name]["BV"])
+
+
+def _bk(K: int) -> int:
+    return min(K, configs.CFG["dqkw"]["BK"])
+
+
+def _fuse_dvl() -> bool:
+    return bool(configs.CFG["dh"]["FUSE_DVL"])
+
+
+def _dqkw_phases() -> tuple:
+    """(0,): one dq / dk / dw launch; (1, 2): a dq, dw launch and a dk launch."""
+    return (1, 2) if configs.CFG["dqkw"]["SPLIT"] else (0,)
+
+
+def _dqkw_cfg(phase: int) -> dict:
+    c = _cfg("dqkw")
+    if phase == 2:  # the dk launch has its own warp count
+        c["num_warps"] = configs.CFG["dqkw"]["num_warps_dk"]
+    return c
+
+
+def _vfirst() -> bool:
+    return bool(configs.CFG["wy"]["VFIRST"])
+
+
+def _rows(name: str) -> int:
+    return configs.CFG[name]["BR"]
+
+
+def _pdt(dt):
+    """dtype of the per-value-head dq, dk sums read by bwd_final: the input dtype (one more rounding, half the
+    bytes) or fp32."""
+    return dt if configs.CFG["final"]["LOW_PARTIALS"] else torch.float32
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -139,11 +177,10 @@ def _fwd_state(kk, w, u, gc, cu, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_
     vn = (_ws(ws_prefix + "vn", (T, HV, V), dt, device) if ws_prefix
           else torch.empty(T, HV, V, dtype=dt, device=device))
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_ht else _empty0(device)
-    BV = _bv(V)
+    BV = _bv("h", V)
     kn.fwd_h_kernel[(N * HV, V // BV)](
         kk, w, u, gc, cu, h0 if h0 is not None else gc, h, vn, ht if want_ht else gc, H, HV,
-        K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=want_ht, INTERPRET=build.INTERPRET,
-        num_warps=_STATE_WARPS, num_stages=_STAGES)
+        K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=want_ht, INTERPRET=build.INTERPRET, **_cfg("h"))
     return h, vn, ht
 
 
@@ -152,7 +189,7 @@ def _wu(kk, v, beta, gc, A, cu, table, H, HV, K, V, P, device, dt, ws: bool):
     w = _ws("w", (T, HV, K), dt, device) if ws else torch.empty(T, HV, K, dtype=dt, device=device)
     u = _ws("u", (T, HV, V), dt, device)
     kn.fwd_wu_kernel[(P, HV)](kk, v, beta, gc, A, cu, table, w, u, H, HV, K=K, V=V, BT=BT,
-                              INTERPRET=build.INTERPRET, num_warps=_CHUNK_WARPS, num_stages=_STAGES)
+                              INTERPRET=build.INTERPRET, **_cfg("wu"))
     return w, u
 
 
@@ -160,7 +197,8 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     K = x.shape[-1]
     y = torch.empty_like(x)
     R = x.numel() // K
-    kn.l2norm_fwd_kernel[(build.cdiv(R, _ROWS),)](x, y, R, K=K, BR=_ROWS, INTERPRET=build.INTERPRET, num_warps=4)
+    BR = _rows("l2norm")
+    kn.l2norm_fwd_kernel[(build.cdiv(R, BR),)](x, y, R, K=K, BR=BR, INTERPRET=build.INTERPRET, **_cfg("l2norm"))
     return y
 
 
@@ -188,13 +226,13 @@ def gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final
     gc = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     A = torch.empty(Tt, HV, BT, dtype=dt, device=device)
     kn.fwd_prep_kernel[(P, HV)](kk, gf, bf, cu, table, gc, A, H, HV, K=K, BT=BT, INTERPRET=build.INTERPRET,
-                                num_warps=_CHUNK_WARPS, num_stages=_STAGES)
+                                **_cfg("prep"))
     w, u = _wu(kk, v, bf, gc, A, cu, table, H, HV, K, V, P, device, dt, ws=not keep_state)
     h, vn, ht = _fwd_state(kk, w, u, gc, cu, h0, N, HV, H, K, V, P, output_final_state, device, dt,
                            ws_prefix=None if keep_state else "f_")
     o = torch.empty(B, T, HV, V, dtype=dt, device=device)
     kn.fwd_o_kernel[(P, HV)](qn, kk, vn, gc, h, cu, table, o, float(scale), H, HV, K=K, V=V, BT=BT,
-                             INTERPRET=build.INTERPRET, num_warps=_CHUNK_WARPS, num_stages=_STAGES)
+                             INTERPRET=build.INTERPRET, **_cfg("o"))
     if not keep_state:
         w, h, vn = _empty0(device, dt), _empty0(device, dt), _empty0(device, dt)
     if not use_l2:
@@ -220,37 +258,49 @@ def gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, 
         w, _u = _wu(kk, v, bf, gc, A, cu, table, H, HV, K, V, P, device, dt, ws=True)
         h, vn, _ = _fwd_state(kk, w, _u, gc, cu, h0, N, HV, H, K, V, P, False, device, dt, ws_prefix="b_")
     grid = (P, HV)
-    dvl = _ws("dvl", (Tt, HV, V), dt, device)
-    kn.bwd_dvl_kernel[grid](qn, kk, do, gc, cu, table, dvl, float(scale), H, HV, K=K, V=V, BT=BT,
-                            INTERPRET=build.INTERPRET, num_warps=_CHUNK_WARPS, num_stages=_STAGES)
+    fuse = _fuse_dvl()
+    if fuse:
+        dvl = gc  # unused by the fused state backward
+    else:
+        dvl = _ws("dvl", (Tt, HV, V), dt, device)
+        kn.bwd_dvl_kernel[grid](qn, kk, do, gc, cu, table, dvl, float(scale), H, HV, K=K, V=V, BT=BT,
+                                INTERPRET=build.INTERPRET, **_cfg("dvl"))
     dhe = _ws("dhe", (P, HV, K, V), dt, device)
     dd = _ws("dd", (Tt, HV, V), dt, device)
     want_dh0 = initial_state is not None
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_dh0 else None
     dhtf = _c(dht.to(torch.float32)) if dht is not None else None
-    BV = _bv(V)
+    BV = _bv("dh", V)
     kn.bwd_dh_kernel[(N * HV, V // BV)](
         qn, kk, w, do, dvl, gc, cu, dhtf if dhtf is not None else gc, dh0 if want_dh0 else gc, dhe, dd,
-        float(scale), H, HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhtf is not None, STORE_DH0=want_dh0,
-        INTERPRET=build.INTERPRET, num_warps=_STATE_WARPS, num_stages=_STAGES)
-    dqv = _ws("dqv", (Tt, HV, K), torch.float32, device)
+        float(scale), H, HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhtf is not None, STORE_DH0=want_dh0, FUSE_DVL=fuse,
+        INTERPRET=build.INTERPRET, **_cfg("dh"))
+    pdt = _pdt(dt)
+    dqv = _ws("dqv", (Tt, HV, K), pdt, device)
     dkv = _ws("dkv", (Tt, HV, K), torch.float32, device)
     dw = _ws("dw", (Tt, HV, K), dt, device)
-    dgp = _ws("dgp", (Tt, HV), torch.float32, device)
-    kn.bwd_dqkw_kernel[grid](qn, kk, vn, do, dd, gc, h, dhe, cu, table, dqv, dkv, dw, dgp, float(scale), H, HV,
-                             K=K, V=V, BT=BT, INTERPRET=build.INTERPRET, num_warps=_BIG_WARPS, num_stages=_STAGES)
+    BK = _bk(K)
+    phases = _dqkw_phases()
+    NP = K // BK * len(phases)  # partial dG sums per row
+    dgp = _ws("dgp", (Tt, HV, NP), torch.float32, device)
+    for phase in phases:
+        kn.bwd_dqkw_kernel[(P * (K // BK), HV)](
+            qn, kk, vn, do, dd, gc, h, dhe, cu, table, dqv, dkv, dw, dgp, float(scale), H, HV, K=K, V=V, BT=BT,
+            BK=BK, PHASE=phase, NPART=len(phases), INTERPRET=build.INTERPRET, **_dqkw_cfg(phase))
+    dkf = dkv if pdt == torch.float32 else _ws("dkf", (Tt, HV, K), pdt, device)
     dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=device)
     dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     dgf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
-    kn.bwd_wy_kernel[grid](kk, v, bf, gc, A, dw, dd, cu, table, dkv, dgp, dv, dbf, dgf, H, HV, K=K, V=V, BT=BT,
-                           INTERPRET=build.INTERPRET, num_warps=_BIG_WARPS, num_stages=_STAGES)
+    kn.bwd_wy_kernel[grid](kk, v, bf, gc, A, dw, dd, cu, table, dkv, dkf, dgp, dv, dbf, dgf, H, HV, K=K, V=V, BT=BT,
+                           NK=NP, VFIRST=_vfirst(), INTERPRET=build.INTERPRET, **_cfg("wy"))
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    fgrid = (build.cdiv(Tt, _ROWS), H)
-    kn.bwd_final_kernel[fgrid](q, dqv, dq, Tt, H, HV, K=K, BR=_ROWS, L2=use_l2, INTERPRET=build.INTERPRET,
-                               num_warps=4)
-    kn.bwd_final_kernel[fgrid](k, dkv, dk, Tt, H, HV, K=K, BR=_ROWS, L2=use_l2, INTERPRET=build.INTERPRET,
-                               num_warps=4)
+    BR = _rows("final")
+    fgrid = (build.cdiv(Tt, BR), H)
+    kn.bwd_final_kernel[fgrid](q, dqv, dq, Tt, H, HV, K=K, BR=BR, L2=use_l2, INTERPRET=build.INTERPRET,
+                               **_cfg("final"))
+    kn.bwd_final_kernel[fgrid](k, dkf, dk, Tt, H, HV, K=K, BR=BR, L2=use_l2, INTERPRET=build.INTERPRET,
+                               **_cfg("final"))
     dg = dgf.view(B, T, HV).to(g.dtype)
     db = dbf.view(B, T, HV).to(beta.dtype)
     if dh0 is not None:
@@ -343,14 +393,42 @@ class _GatedDeltaRule(torch.autograd.Function):
         return dq, dk, dv, dg, db, (dh0 if initial_state is not None else None), None, None, None, None, None, None
 
 
+class _GatedDeltaRuleEager(torch.autograd.Function):
+    """The eager path: the same launchers as the custom ops, without the custom-op dispatch (host time)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state,
+                variant):
+        with build.device_guard(q):
+            o, ht, qn, kk, gc, A, w, h, vn, cu, table = gdn_forward(
+                q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state)
+        ctx.save_for_backward(q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table)
+        ctx.scale, ctx.use_l2, ctx.keep_state, ctx.variant = scale, use_l2, keep_state, variant
+        ctx.output_final_state = output_final_state
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table = ctx.saved_tensors
+        if not ctx.output_final_state:
+            dht = None
+        if do is None:
+            do = torch.zeros(q.shape[0], q.shape[1], v.shape[2], v.shape[3], dtype=q.dtype, device=q.device)
+        with build.device_guard(q):
+            dq, dk, dv, dg, db, dh0 = gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn,
+                                                   cu, table, ctx.scale, ctx.use_l2, ctx.keep_state)
+        return dq, dk, dv, dg, db, (dh0 if initial_state is not None else None), None, None, None, None, None, None
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None):
     _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     variant = config.variant(OP)
     keep_state = not config.option(OP, "recompute_state")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    o, ht = _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                                  use_qk_l2norm_in_kernel, keep_state, variant)
+    fn = _GatedDeltaRule if torch.compiler.is_compiling() else _GatedDeltaRuleEager
+    o, ht = fn.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                     use_qk_l2norm_in_kernel, keep_state, variant)
     return o, (ht if output_final_state else None)
 
 
@@ -362,39 +440,49 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
         raise ValueError(f"head dims must be in {HEAD_DIMS}, got head_k_dim={K}, head_v_dim={V}")
     bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
     I = build.INTERPRET  # noqa: E741
-    cw = dict(num_warps=_CHUNK_WARPS, num_stages=_STAGES)
-    bw = dict(num_warps=_BIG_WARPS, num_stages=_STAGES)
-    sw = dict(num_warps=_STATE_WARPS, num_stages=_STAGES)
-    BV = _bv(V)
+    BK = _bk(K)
+    fuse = _fuse_dvl()
     R = build.Route
     out = []
     for X, name in ((K, "k"),):
-        out.append(R(kn.l2norm_fwd_kernel, (bf, bf, 1), (1,), dict(K=X, BR=_ROWS, INTERPRET=I, num_warps=4),
-                     f"l2norm_fwd[{name}]"))
+        out.append(R(kn.l2norm_fwd_kernel, (bf, bf, 1), (1,),
+                     dict(K=X, BR=_rows("l2norm"), INTERPRET=I, **_cfg("l2norm")), f"l2norm_fwd[{name}]"))
     out.append(R(kn.fwd_prep_kernel, (bf, f32, f32, i32, i32, f32, bf, 1, 1), (1, 1),
-                 dict(K=K, BT=BT, INTERPRET=I, **cw), "fwd_prep"))
+                 dict(K=K, BT=BT, INTERPRET=I, **_cfg("prep")), "fwd_prep"))
     out.append(R(kn.fwd_wu_kernel, (bf, bf, f32, f32, bf, i32, i32, bf, bf, 1, 1), (1, 1),
-                 dict(K=K, V=V, BT=BT, INTERPRET=I, **cw), "fwd_wu"))
+                 dict(K=K, V=V, BT=BT, INTERPRET=I, **_cfg("wu")), "fwd_wu"))
     for use_h0 in (False, True):
         for store_ht in (False, True):
             out.append(R(kn.fwd_h_kernel, (bf, bf, bf, f32, i32, f32, bf, bf, f32, 1, 1), (1, 1),
-                         dict(K=K, V=V, BT=BT, BV=BV, USE_H0=use_h0, STORE_HT=store_ht, INTERPRET=I, **sw),
+                         dict(K=K, V=V, BT=BT, BV=_bv("h", V), USE_H0=use_h0, STORE_HT=store_ht, INTERPRET=I,
+                              **_cfg("h")),
                          f"fwd_h[h0={int(use_h0)},ht={int(store_ht)}]"))
     out.append(R(kn.fwd_o_kernel, (bf, bf, bf, f32, bf, i32, i32, bf, 1.0, 1, 1), (1, 1),
-                 dict(K=K, V=V, BT=BT, INTERPRET=I, **cw), "fwd_o"))
-    out.append(R(kn.bwd_dvl_kernel, (bf, bf, bf, f32, i32, i32, bf, 1.0, 1, 1), (1, 1),
-                 dict(K=K, V=V, BT=BT, INTERPRET=I, **cw), "bwd_dvl"))
+                 dict(K=K, V=V, BT=BT, INTERPRET=I, **_cfg("o")), "fwd_o"))
+    if not fuse:
+        out.append(R(kn.bwd_dvl_kernel, (bf, bf, bf, f32, i32, i32, bf, 1.0, 1, 1), (1, 1),
+                     dict(K=K, V=V, BT=BT, INTERPRET=I, **_cfg("dvl")), "bwd_dvl"))
+    dvl_t = f32 if fuse else bf
     for use_dht in (False, True):
         for dh0 in (False, True):
-            out.append(R(kn.bwd_dh_kernel, (bf, bf, bf, bf, bf, f32, i32, f32, f32, bf, bf, 1.0, 1, 1), (1, 1),
-                         dict(K=K, V=V, BT=BT, BV=BV, USE_DHT=use_dht, STORE_DH0=dh0, INTERPRET=I, **sw),
+            out.append(R(kn.bwd_dh_kernel, (bf, bf, bf, bf, dvl_t, f32, i32, f32, f32, bf, bf, 1.0, 1, 1), (1, 1),
+                         dict(K=K, V=V, BT=BT, BV=_bv("dh", V), USE_DHT=use_dht, STORE_DH0=dh0, FUSE_DVL=fuse,
+                              INTERPRET=I, **_cfg("dh")),
                          f"bwd_dh[dht={int(use_dht)},dh0={int(dh0)}]"))
-    out.append(R(kn.bwd_dqkw_kernel, (bf, bf, bf, bf, bf, f32, bf, bf, i32, i32, f32, f32, bf, f32, 1.0, 1, 1),
-                 (1, 1), dict(K=K, V=V, BT=BT, INTERPRET=I, **bw), "bwd_dqkw"))
-    out.append(R(kn.bwd_wy_kernel, (bf, bf, f32, f32, bf, bf, bf, i32, i32, f32, f32, bf, f32, f32, 1, 1), (1, 1),
-                 dict(K=K, V=V, BT=BT, INTERPRET=I, **bw), "bwd_wy"))
+    phases = _dqkw_phases()
+    pdt = _pdt(bf)
+    for phase in phases:
+        out.append(R(kn.bwd_dqkw_kernel,
+                     (bf, bf, bf, bf, bf, f32, bf, bf, i32, i32, pdt, f32, bf, f32, 1.0, 1, 1), (1, 1),
+                     dict(K=K, V=V, BT=BT, BK=BK, PHASE=phase, NPART=len(phases), INTERPRET=I,
+                          **_dqkw_cfg(phase)),
+                     f"bwd_dqkw[phase={phase}]"))
+    out.append(R(kn.bwd_wy_kernel, (bf, bf, f32, f32, bf, bf, bf, i32, i32, f32, pdt, f32, bf, f32, f32, 1, 1),
+                 (1, 1),
+                 dict(K=K, V=V, BT=BT, NK=K // BK * len(phases), VFIRST=_vfirst(), INTERPRET=I, **_cfg("wy")),
+                 "bwd_wy"))
     for l2 in (False, True):
-        out.append(R(kn.bwd_final_kernel, (bf, f32, bf, 1, 1, 1), (1, 1),
-                     dict(K=K, BR=_ROWS, L2=l2, INTERPRET=I, num_warps=4),
+        out.append(R(kn.bwd_final_kernel, (bf, pdt, bf, 1, 1, 1), (1, 1),
+                     dict(K=K, BR=_rows("final"), L2=l2, INTERPRET=I, **_cfg("final")),
                      f"bwd_final[l2={int(l2)}]"))
     return out

@@ -1,0 +1,22 @@
+"""Fixed launch configs of the gdn kernels (no autotuning: a new process picks the same config, hence the same
+bits), chosen per kernel by a sweep at the shape of record (32k tokens, HV 32, K = V = 128) on an H200 (sm_90a,
+triton 3.6). BV / BK are capped at the head dims.
+- dh FUSE_DVL: the state backward computes the in-chunk dv itself (no bwd_dvl launch).
+- dqkw BK < K: dq / dk / dw in K slices (the WY backward adds their partial dG in slice order); SPLIT: dq, dw and
+  dk in two launches (fewer live tiles each; num_warps_dk is the dk launch's).
+- wy VFIRST: the WY backward's work ordered for short live ranges.
+- final LOW_PARTIALS: the per-value-head dq, dk sums kept in bf16 (half the bytes, one more rounding), not fp32.
+"""
+
+CFG = {
+    "l2norm": dict(num_warps=4, BR=16),
+    "prep": dict(num_warps=2),
+    "wu": dict(num_warps=4),
+    "h": dict(num_warps=8, num_stages=3, BV=128),
+    "o": dict(num_warps=4),
+    "dvl": dict(num_warps=4),
+    "dh": dict(num_warps=8, num_stages=1, BV=128, FUSE_DVL=False),
+    "dqkw": dict(num_warps=4, BK=128, SPLIT=True, num_warps_dk=4),
+    "wy": dict(num_warps=4, VFIRST=True),
+    "final": dict(num_warps=4, BR=16, LOW_PARTIALS=True),
+}
