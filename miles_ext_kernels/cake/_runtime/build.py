@@ -11,6 +11,7 @@ prebuilt process never compiles on the training path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -48,14 +49,29 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
 def device_guard(t):
     """Context that makes `t`'s GPU current, so kernels launch there even when another GPU is current (Triton
-    launches on the current device); a no-op for CPU tensors (interpreter)."""
-    import contextlib
-
+    launches on the current device, and streams, pool buffers and counters are looked up on it); a no-op for CPU
+    tensors (interpreter) and when `t`'s GPU is already current (the common case: no device switch)."""
     import torch
 
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    if t.device.type != "cuda":
+        return _NO_GUARD
+    index = t.get_device()
+    return _NO_GUARD if index == torch.cuda.current_device() else torch.cuda.device(index)
+
+
+def on_input_device(fn):
+    """Decorator for launchers whose first argument is a tensor: runs `fn` under `device_guard` of that tensor."""
+
+    @functools.wraps(fn)
+    def launcher(t, *args, **kwargs):
+        with device_guard(t):
+            return fn(t, *args, **kwargs)
+    return launcher
 
 
 # Arch name for CPU tensors run through the interpreter: ops key an "interpreter" config table by it.

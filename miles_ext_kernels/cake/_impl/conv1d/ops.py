@@ -71,6 +71,7 @@ def _red_meta(W: int, cfg: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
+@build.on_input_device
 def _fwd(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act: int) -> torch.Tensor:
     T, D = x.shape
     W = weight.shape[1]
@@ -89,6 +90,7 @@ def _fwd(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tenso
     return y
 
 
+@build.on_input_device
 def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
          act_mode: int, det: bool = True):
     """dx, dw. Both variants (`det`) run these kernels: dw partials per token block, reduced in a fixed order

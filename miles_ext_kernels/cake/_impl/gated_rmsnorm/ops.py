@@ -129,6 +129,7 @@ def check_args(x, z, weight, eps) -> int:
 
 # ------------------------------------------------------------------------------------------------------------------
 # launchers: `_fwd` / `_bwd` assume checked arguments (the hot path); `gated_fwd` / `gated_bwd` check first.
+@build.on_input_device
 def _fwd(x, z, weight, eps: float, D: int, cfg=None):
     arch = _reduce.table_arch(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -145,6 +146,7 @@ def _fwd(x, z, weight, eps: float, D: int, cfg=None):
     return y
 
 
+@build.on_input_device
 def _bwd(dy, x, z, weight, eps: float, deterministic: bool, D: int, cfg=None, programs=None, atomic=None):
     arch = _reduce.table_arch(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)

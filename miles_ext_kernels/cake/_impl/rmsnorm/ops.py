@@ -149,6 +149,7 @@ def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, nu
     kernel[(grid,)](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
 
 
+@build.on_input_device
 def _fwd(x, weight, eps: float, H: int, cfg=None):
     arch = _reduce.table_arch(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -163,6 +164,7 @@ def _fwd(x, weight, eps: float, H: int, cfg=None):
     return y
 
 
+@build.on_input_device
 def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, programs=None, atomic=None):
     arch = _reduce.table_arch(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
