@@ -53,12 +53,24 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None):
     """Gated delta rule over packed documents; returns `(o [B, T, HV, V], final_state [N, HV, K, V] or None)`.
 
-    scale defaults to K ** -0.5. With `use_qk_l2norm_in_kernel`, q and k are L2-normalised per head first
+    - q, k: `[B, T, H, K]` bf16; v: `[B, T, HV, V]` bf16, HV a multiple of H (value head hv reads key head
+      hv // (HV / H)); K, V in {16, 32, 64, 128}. Any strides (non-contiguous operands are copied first).
+    - g (log-decay, <= 0 in practice) and beta: `[B, T, HV]` fp32, bf16 or fp16 (computed in fp32; their
+      gradients come back in their own dtype).
+    - scale: a finite float, default K ** -0.5.
+    - initial_state: None or `[N, HV, K, V]` fp32 (bf16 / fp16 accepted, read as fp32; its gradient in its own
+      dtype), N = B, or the number of documents with cu_seqlens. output_final_state: a bool; the final state is
+      fp32 `[N, HV, K, V]`.
+    - cu_seqlens: None, or int32 / int64 `[N + 1]` on q's device with B = 1 (packed documents).
+    - o: bf16 `[B, T, HV, V]`, contiguous. Every tensor argument must be on q's device (ValueError otherwise).
+
+    With `use_qk_l2norm_in_kernel`, q and k are L2-normalised per head first
     (x / sqrt(sum x^2 + 1e-6)) and the backward goes through the norm. Differentiable in q, k, v, g, beta and
     initial_state. Bad operands raise ValueError / TypeError naming the argument before any launch. No
     device->host synchronisation (cu_seqlens stays on the device and is trusted: 0 = c_0 <= ... <= c_N = T, as
     in fla; a pack padded past its last document must pass the padding as one more segment — rows past c_N
-    are not computed, and on a GPU a violation cannot be detected without a sync; on CPU it raises).
+    are not computed: their outputs and gradients are undefined (uninitialised memory, possibly NaN); on a GPU a violation cannot be
+    detected without a sync; on CPU it raises).
     """
     from ._impl import gdn as impl  # a static import: torch.compile traces it (importlib it cannot)
 

@@ -148,20 +148,29 @@ def _args(T=8, H=1, HV=2, K=16, V=16, N=1):
 
 
 @pytest.mark.parametrize("change, exc, word", [
-    (dict(q=torch.randn(1, 8, 1, 16)), TypeError, "q"),
-    (dict(k=torch.randn(1, 8, 1, 16).to(torch.bfloat16)[:, :4]), ValueError, "k"),
+    (dict(q=torch.randn(1, 8, 1, 16)), TypeError, "^q must be bfloat16"),
+    (dict(k=torch.randn(1, 8, 1, 16).to(torch.bfloat16)[:, :4]), ValueError, "^k must have the shape of q"),
     (dict(v=torch.randn(1, 8, 3, 16).to(torch.bfloat16)), ValueError, "g must be"),
     (dict(q=torch.randn(1, 8, 1, 24).to(torch.bfloat16), k=torch.randn(1, 8, 1, 24).to(torch.bfloat16)), ValueError,
      "K=24"),
-    (dict(g=torch.zeros(1, 8, 3)), ValueError, "g"),
-    (dict(beta=torch.zeros(1, 8, 2, dtype=torch.int32)), TypeError, "beta"),
+    (dict(g=torch.zeros(1, 8, 3)), ValueError, r"^g must be \[B, T, HV\]"),
+    (dict(beta=torch.zeros(1, 8, 2, dtype=torch.int32)), TypeError, "^beta must be"),
     (dict(cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.float32)), TypeError, "cu_seqlens"),
     (dict(cu_seqlens=torch.tensor([0, 9], dtype=torch.int32)), ValueError, "cu_seqlens"),
     (dict(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(1, 2, 16, 16)), ValueError, "initial_state"),
     (dict(scale="x"), TypeError, "scale"),
+    (dict(scale=float("nan")), ValueError, "^scale must be finite"),
+    (dict(scale=float("inf")), ValueError, "^scale must be finite"),
+    # every tensor on q's device (meta stands in for another GPU on a CPU machine)
+    (dict(v=torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16, device="meta")), ValueError,
+     "^v is on meta but q is on cpu"),
+    (dict(g=torch.zeros(1, 8, 2, device="meta")), ValueError, "^g is on meta but q is on cpu"),
+    (dict(cu_seqlens=torch.tensor([0, 8], device="meta")), ValueError, "^cu_seqlens is on meta but q is on cpu"),
+    (dict(initial_state=torch.zeros(1, 2, 16, 16, device="meta")), ValueError, "^initial_state is on meta"),
     (dict(output_final_state=1), TypeError, "output_final_state"),
 ])
-def test_bad_operands_raise_before_launch(change, exc, word):
+def test_bad_operands_raise_before_launch(change, exc, word, monkeypatch):
+    monkeypatch.setattr(ops, "gdn_forward", lambda *a, **k: pytest.fail("launched"))
     kw = _args()
     kw.update(change)
     args = [kw.pop(n) for n in ("q", "k", "v", "g", "beta")]

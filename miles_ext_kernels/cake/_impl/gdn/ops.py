@@ -10,6 +10,7 @@ Both variants launch the same kernels: no kernel uses atomics and every split su
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -102,8 +103,11 @@ def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2
         raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
     if T < 1 or B < 1:
         raise ValueError(f"q must hold at least one token, got shape {tuple(q.shape)}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
     for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel",
                                                                      use_qk_l2norm_in_kernel)):
         if not isinstance(flag, bool):
