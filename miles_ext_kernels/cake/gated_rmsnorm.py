@@ -41,9 +41,11 @@ def check_supported(head_dim) -> None:
 def rmsnorm_silu_gate(x, z, weight, eps: float = 1e-6):
     """y = x * rsqrt(mean(x^2, -1) + eps) * weight * silu(z), fp32 math, y in x's dtype and shape (contiguous).
 
-    x: `[T, H_v, D]` or `[N, D]` bf16. z: x's shape, bf16; read in place when its last stride is 1 and its token
-    and head strides are multiples of 8 elements (e.g. a column slice of the fused `[q | k | v | z | b | a]`
-    projection), copied otherwise. weight: `[D]` fp32 or bf16 (ones-initialised), its gradient in its own dtype.
+    x: `[T, H_v, D]` or `[N, D]` bf16 (more leading dims, `[..., H_v, D]`, are flattened into T). z: x's shape,
+    bf16; read in place when its last stride is 1 and its token and head strides are multiples of 8 elements (e.g.
+    a column slice of the fused `[q | k | v | z | b | a]` projection), copied otherwise. weight: `[D]` fp32 or bf16
+    (ones-initialised), its gradient in its own dtype. x, z and weight on one device (ValueError otherwise); eps a
+    finite float > 0.
     Differentiable in x, z and weight. The weight gradient is summed over the rows of this call only: under
     tensor parallelism the caller all-reduces it over the tensor-parallel group. The variant configured when the
     call runs (det unless `configure(gated_rmsnorm_variant="fast")`) decides how the backward sums the weight

@@ -47,8 +47,10 @@ def check_supported(hidden_size) -> None:
 def zero_centered_rmsnorm(x, weight, eps: float = 1e-6):
     """y = x * rsqrt(mean(x^2, -1) + eps) * (1 + weight), fp32 math, y in x's dtype and shape.
 
-    x: `[..., H]` bf16. weight: `[H]` fp32 or bf16. Differentiable in x and weight; the weight gradient is summed
-    over every row of the call (under sequence parallelism the caller all-reduces it, see `ZeroCenteredRMSNorm`).
+    x: `[..., H]` bf16, H in `supported_hidden_sizes()`. weight: `[H]` fp32 or bf16, on x's device (ValueError
+    otherwise). eps: a finite float > 0. y is contiguous. Differentiable in x and weight; the weight gradient is
+    summed over every row of the call (under sequence parallelism the caller all-reduces it, see
+    `ZeroCenteredRMSNorm`).
     The variant configured when the call runs (det unless `configure(rmsnorm_variant="fast")`) decides how the
     backward sums the weight gradient; the backward runs its forward's variant.
     """

@@ -1,6 +1,8 @@
 """Operand checks shared by every op: each raises ValueError/TypeError naming the argument, before any launch."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -35,6 +37,15 @@ def check_host_int(name: str, value, *, minimum: int | None = 0) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_eps(value, name: str = "eps") -> float:
+    """A finite float > 0 (an int is accepted; a bool, a string or a tensor is a TypeError)."""
+    if isinstance(value, bool) or not isinstance(value, (float, int)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+    return float(value)
 
 
 def check_same_device(names_and_tensors) -> None:

@@ -144,7 +144,8 @@ def test_backward_runs_forward_variant(monkeypatch):
     assert seen == [False, True]
 
 
-def test_bad_inputs_raise_before_launch():
+def test_bad_inputs_raise_before_launch(monkeypatch):
+    monkeypatch.setattr(ops, "_fwd", lambda *a, **k: pytest.fail("launched"))
     x, z, w, _ = _inputs((4, 2, 128), F32)
     with pytest.raises(TypeError, match="x must be bfloat16"):
         decl.rmsnorm_silu_gate(x.float(), z, w)
@@ -154,12 +155,19 @@ def test_bad_inputs_raise_before_launch():
         decl.rmsnorm_silu_gate(x, z[:2], w)
     with pytest.raises(ValueError, match="weight has 64"):
         decl.rmsnorm_silu_gate(x, z, w[:64])
-    with pytest.raises(ValueError, match="head_dim 96"):
+    with pytest.raises(ValueError, match="^x's last dimension: gated_rmsnorm: head_dim 96"):
         decl.rmsnorm_silu_gate(x[..., :96], z[..., :96], w[:96])
     with pytest.raises(ValueError, match="x must be"):
         decl.rmsnorm_silu_gate(x[0, 0], z[0, 0], w)
     with pytest.raises(ValueError, match="eps"):
         decl.rmsnorm_silu_gate(x, z, w, 0.0)
+    for bad in (float("inf"), float("nan")):  # eps = inf would silently give y = 0 and zero gradients
+        with pytest.raises(ValueError, match="^eps must be a finite float > 0"):
+            decl.rmsnorm_silu_gate(x, z, w, bad)
+    with pytest.raises(ValueError, match="^z is on meta but x is on cpu"):  # meta: another device
+        decl.rmsnorm_silu_gate(x, z.to("meta"), w)
+    with pytest.raises(ValueError, match="^weight is on meta but x is on cpu"):
+        decl.rmsnorm_silu_gate(x, z, w.to("meta"))
 
 
 def test_compile_fullgraph_traces():

@@ -147,7 +147,8 @@ def test_backward_runs_forward_variant(monkeypatch):
     assert seen[-1] is True
 
 
-def test_bad_inputs_raise_before_launch():
+def test_bad_inputs_raise_before_launch(monkeypatch):
+    monkeypatch.setattr(ops, "_fwd", lambda *a, **k: pytest.fail("launched"))
     x, w, _ = _inputs((4, 128), F32)
     with pytest.raises(TypeError, match="x must be bfloat16"):
         decl.zero_centered_rmsnorm(x.float(), w)
@@ -155,8 +156,15 @@ def test_bad_inputs_raise_before_launch():
         decl.zero_centered_rmsnorm(x, w.half())
     with pytest.raises(ValueError, match="weight has 64"):
         decl.zero_centered_rmsnorm(x, w[:64])
-    with pytest.raises(ValueError, match="hidden_size 100"):
+    with pytest.raises(ValueError, match="^x's last dimension: rmsnorm: hidden_size 100"):
         decl.zero_centered_rmsnorm(torch.randn(2, 100).to(BF), torch.zeros(100))
+    with pytest.raises(ValueError, match="^weight is on meta but x is on cpu"):  # meta: another device
+        decl.zero_centered_rmsnorm(x, w.to("meta"))
+    for bad in (float("inf"), float("nan")):  # eps = inf would silently give y = 0 and zero gradients
+        with pytest.raises(ValueError, match="^eps must be a finite float > 0"):
+            decl.zero_centered_rmsnorm(x, w, bad)
+        with pytest.raises(ValueError, match="^eps must be a finite float > 0"):
+            decl.ZeroCenteredRMSNorm(256, eps=bad, device="meta")
     with pytest.raises(ValueError, match="eps"):
         decl.zero_centered_rmsnorm(x, w, -1.0)
     with pytest.raises(TypeError, match="eps"):

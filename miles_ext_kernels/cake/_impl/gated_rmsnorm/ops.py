@@ -110,7 +110,7 @@ def check_args(x, z, weight, eps) -> int:
     """Host-side checks (ValueError/TypeError naming the argument); returns the head dim D."""
     checks.check_tensor("x", x, dtype=X_DTYPES)
     if x.dim() < 2:
-        raise ValueError(f"x must be [N, D] or [T, H_v, D], got shape {tuple(x.shape)}")
+        raise ValueError(f"x must be [N, D] or [..., H_v, D], got shape {tuple(x.shape)}")
     checks.check_tensor("z", z, dtype=X_DTYPES)
     if z.shape != x.shape:
         raise ValueError(f"z has shape {tuple(z.shape)} but x has {tuple(x.shape)}")
@@ -119,11 +119,11 @@ def check_args(x, z, weight, eps) -> int:
     if weight.shape[0] != D:
         raise ValueError(f"weight has {weight.shape[0]} elements but x's head dim is {D}")
     checks.check_same_device([("x", x), ("z", z), ("weight", weight)])
-    if isinstance(eps, bool) or not isinstance(eps, (float, int)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    _decl.check_supported(D)
+    checks.check_eps(eps)
+    try:
+        _decl.check_supported(D)
+    except ValueError as e:
+        raise ValueError(f"x's last dimension: {e}") from None
     return D
 
 

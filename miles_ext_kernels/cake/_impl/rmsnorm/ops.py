@@ -135,11 +135,11 @@ def check_args(x, weight, eps) -> int:
     if weight.shape[0] != H:
         raise ValueError(f"weight has {weight.shape[0]} elements but x's last dimension is {H}")
     checks.check_same_device([("x", x), ("weight", weight)])
-    if isinstance(eps, bool) or not isinstance(eps, (float, int)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    _decl.check_supported(H)
+    checks.check_eps(eps)
+    try:
+        _decl.check_supported(H)
+    except ValueError as e:
+        raise ValueError(f"x's last dimension: {e}") from None
     return H
 
 
@@ -283,10 +283,7 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         super().__init__()
         checks.check_host_int("hidden_size", hidden_size, minimum=1)
         _decl.check_supported(hidden_size)
-        if isinstance(eps, bool) or not isinstance(eps, (float, int)):
-            raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0, got {eps!r}")
+        checks.check_eps(eps)
         if dtype is not None and dtype not in W_DTYPES:
             raise TypeError(f"dtype must be float32 or bfloat16, got {dtype}")
         if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
