@@ -75,9 +75,11 @@ def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
 
     x:          [T, D] bfloat16, packed tokens; may be a column slice of a wider tensor (unit last stride; read in
                 place when it starts 16-byte aligned, copied otherwise).
-    weight:     [D, W] float32 or bfloat16, W in (2, 3, 4).
-    cu_seqlens: [N + 1] int32/int64 on x's device, cu_seqlens[0] == 0, non-decreasing, cu_seqlens[-1] == T
-                (document starts; empty documents allowed); None means one document. Never read on the host.
+    weight:     [D, W] float32 or bfloat16, W in (2, 3, 4), on x's device (ValueError otherwise).
+    cu_seqlens: [N + 1] int32/int64 on x's device, cu_seqlens[0] == 0, non-decreasing, cu_seqlens[-1] <= T
+                (document starts; empty documents allowed); None means one document. Rows past cu_seqlens[-1]
+                (padding) count as one more document: they never read the last document's rows, nor it theirs.
+                Never read on the host (not validated: values outside [0, T] are undefined behaviour).
     activation: "silu" (alias "swish") or None.
     Returns y [T, D] bfloat16 (contiguous). The variant (det/fast) and the silu-grad option are read when the call
     runs; the backward runs what its forward read.

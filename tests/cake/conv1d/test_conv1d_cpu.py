@@ -158,9 +158,9 @@ def test_det_repeats_and_fast_agrees():
 
 
 @pytest.mark.parametrize("bad, exc, word", [
-    (lambda x, w, cu: (x.float(), w, cu, "silu"), TypeError, "x"),
-    (lambda x, w, cu: (x[None], w, cu, "silu"), ValueError, "x"),
-    (lambda x, w, cu: (x.t(), w, cu, "silu"), ValueError, "x"),
+    (lambda x, w, cu: (x.float(), w, cu, "silu"), TypeError, "^x must be bfloat16"),
+    (lambda x, w, cu: (x[None], w, cu, "silu"), ValueError, "^x must have 2 dimensions"),
+    (lambda x, w, cu: (x.t(), w, cu, "silu"), ValueError, "^x must have a unit last stride"),
     (lambda x, w, cu: (x, w.half(), cu, "silu"), TypeError, "weight"),
     (lambda x, w, cu: (x, w[:, :1], cu, "silu"), ValueError, "weight"),
     (lambda x, w, cu: (x, torch.zeros(8, 5), cu, "silu"), ValueError, "weight"),
@@ -168,6 +168,9 @@ def test_det_repeats_and_fast_agrees():
     (lambda x, w, cu: (x, w, cu.float(), "silu"), TypeError, "cu_seqlens"),
     (lambda x, w, cu: (x, w, cu[None], "silu"), ValueError, "cu_seqlens"),
     (lambda x, w, cu: (x, w, cu, "gelu"), ValueError, "activation"),
+    # meta stands in for another GPU on a CPU machine
+    (lambda x, w, cu: (x, w.to("meta"), cu, "silu"), ValueError, "^weight must be on cpu, got meta"),
+    (lambda x, w, cu: (x, w, cu.to("meta"), "silu"), ValueError, "^cu_seqlens must be on cpu, got meta"),
 ])
 def test_bad_input_raises_before_launch(bad, exc, word, monkeypatch):
     monkeypatch.setattr(ops, "_fwd", lambda *a: pytest.fail("launched"))
@@ -175,6 +178,15 @@ def test_bad_input_raises_before_launch(bad, exc, word, monkeypatch):
     args = bad(x, w, torch.tensor([0, 8], dtype=torch.int32))
     with pytest.raises(exc, match=word):
         conv1d.causal_conv1d(args[0], args[1], cu_seqlens=args[2], activation=args[3])
+
+
+def test_rows_past_the_last_boundary_are_one_more_document():
+    # padding after cu_seqlens[-1] (miles pads packs): its own document, in y, dx and dw alike
+    x, w, dy = make(40, 16, 4, seed=9)
+    cu = torch.tensor([0, 3, 12], dtype=torch.int32)
+    full = torch.tensor([0, 3, 12, 40], dtype=torch.int32)
+    for p, q in zip(run(x, w, dy, cu), run(x, w, dy, full)):
+        assert torch.equal(p, q)
 
 
 def test_torch_compile_fullgraph_traces():
