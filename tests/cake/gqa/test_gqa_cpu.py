@@ -225,13 +225,13 @@ def _bad_calls():
     q, k, v, do, cq, ck = _inputs([8], [8], 2, 1, seed=12)
     ok = dict(q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_k=8)
     cases = [
-        (dict(q=q.float()), TypeError, "q"),
-        (dict(k=k.half()), TypeError, "k"),
-        (dict(v=v[:, :, :128]), ValueError, "v"),
-        (dict(q=q[:, :, :128].contiguous()), ValueError, "q"),
-        (dict(k=k[:, :, :128].contiguous(), v=v[:, :, :128].contiguous()), ValueError, "k"),
-        (dict(q=q[0]), ValueError, "q"),
-        (dict(q=q.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "q"),
+        (dict(q=q.float()), TypeError, "^q must be bfloat16"),
+        (dict(k=k.half()), TypeError, "^k must be bfloat16"),
+        (dict(v=v[:, :, :128]), ValueError, "^v must have k's shape"),
+        (dict(q=q[:, :, :128].contiguous()), ValueError, "^q: head dim must be 256"),
+        (dict(k=k[:, :, :128].contiguous(), v=v[:, :, :128].contiguous()), ValueError, "^k: head dim must be 256"),
+        (dict(q=q[0]), ValueError, "^q must have 3 dimensions"),
+        (dict(q=q.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "^q must have a unit last stride"),
         (dict(q=torch.randn(8, 3, D).to(BF), k=torch.randn(8, 2, D).to(BF), v=torch.randn(8, 2, D).to(BF)), ValueError,
          "multiple"),
         (dict(cu_seqlens_q=cq.long()), TypeError, "cu_seqlens_q"),
@@ -245,12 +245,17 @@ def _bad_calls():
         (dict(softmax_scale="0.1"), TypeError, "softmax_scale"),
         (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
         (dict(return_lse=1), TypeError, "return_lse"),
-        (dict(q=q.float().numpy()), TypeError, "q"),
+        (dict(q=q.float().numpy()), TypeError, "^q must be a torch.Tensor"),
+        # every tensor on q's device (meta stands in for another GPU on a CPU machine)
+        (dict(k=k.to("meta")), ValueError, "^k is on meta but q is on cpu"),
+        (dict(v=v.to("meta")), ValueError, "^v is on meta but q is on cpu"),
+        (dict(cu_seqlens_k=ck.to("meta")), ValueError, "^cu_seqlens_k is on meta but q is on cpu"),
     ]
     return ok, cases
 
 
-def test_rejected_operands():
+def test_rejected_operands(monkeypatch):
+    monkeypatch.setattr(ops, "gqa_forward", lambda *a, **k: pytest.fail("launched"))
     ok, cases = _bad_calls()
     for change, err, match in cases:
         kw = dict(ok)
