@@ -69,8 +69,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     initial_state. Bad operands raise ValueError / TypeError naming the argument before any launch. No
     device->host synchronisation (cu_seqlens stays on the device and is trusted: 0 = c_0 <= ... <= c_N = T, as
     in fla; a pack padded past its last document must pass the padding as one more segment — rows past c_N
-    are not computed: their outputs and gradients are undefined (uninitialised memory, possibly NaN); on a GPU a violation cannot be
-    detected without a sync; on CPU it raises).
+    are not computed: their outputs and gradients are undefined (uninitialised memory, possibly NaN); on a GPU
+    a violation cannot be detected without a sync; on CPU it raises).
     """
     from ._impl import gdn as impl  # a static import: torch.compile traces it (importlib it cannot)
 
