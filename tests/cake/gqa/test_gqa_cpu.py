@@ -129,6 +129,20 @@ def test_strided_views_of_packed_qkv():
     assert torch.equal(dq, got_c[2]) and torch.equal(dk, got_c[3]) and torch.equal(dv, got_c[4])
 
 
+def test_offsets_past_int32_are_copied_first():
+    # the kernels form head * head_stride and row_in_tile * token_stride in int32: a layout where either reaches 2^31
+    # elements must be copied before a launch, or the reads wrap around (meta: the layout without the 4 GB)
+    def view(strides, H=3):
+        return torch.empty_strided((4, H, D), strides, dtype=BF, device="meta")
+
+    head_major = view((D, 2 ** 30, 1))  # a [H, T, D] buffer at 2^22 tokens, viewed as [T, H, D]
+    assert ops._ready(head_major).stride() == (3 * D, D, 1)
+    wide_rows = view((2 ** 24, D, 1))  # 128 rows of a tile span 2^31 elements
+    assert ops._ready(wide_rows).stride() == (3 * D, D, 1)
+    for fine in (view((D, 2 ** 29, 1)), view((2 ** 23, D, 1)), view((D, 2 ** 30, 1), H=1)):
+        assert ops._ready(fine) is fine  # read in place: every offset fits
+
+
 def test_det_bits_repeat_and_max_seqlen_k():
     inp = _inputs([33, 19], [33, 19], 3, 1, seed=7)
     a = _run(*inp)

@@ -93,12 +93,21 @@ def _use_pair(mode, B, T_k, max_seqlen_k, H_kv, group, device, c) -> bool:
     return _pair_helps(B, max_seqlen_k, H_kv, group, n_sm, c["BN"], c["BM"])
 
 
+# The kernels form `head * head_stride` and `row_in_tile * token_stride` in int32 (only a tile's first token offset is
+# int64): a layout where either reaches 2^31 elements (e.g. a head-major [H, T, D] buffer viewed as [T, H, D] at
+# ~0.5M tokens) is copied first. TILE_ROWS bounds the rows of any tile in CONFIGS.
+_INT32_LIMIT = 2 ** 31
+_TILE_ROWS = 128
+
+
 def _ready(t: torch.Tensor) -> torch.Tensor:
-    """A [T, H, D] operand the kernels can read in place: 16-byte aligned start, row strides multiple of 16."""
+    """A [T, H, D] operand the kernels can read in place: 16-byte aligned start, row strides multiple of 16, and
+    head / in-tile row offsets within int32; a contiguous copy otherwise."""
     T, H, _ = t.shape
     st = t.stride(0) if T > 1 else H * HEAD_DIM
     sh = t.stride(1) if H > 1 else HEAD_DIM
-    if (t.numel() > 0 and t.data_ptr() % 16) or st % 16 or sh % 16 or t.stride(2) != 1:
+    if ((t.numel() > 0 and t.data_ptr() % 16) or st % 16 or sh % 16 or t.stride(2) != 1
+            or (H - 1) * sh >= _INT32_LIMIT or _TILE_ROWS * st >= _INT32_LIMIT):
         t = t.clone(memory_format=torch.contiguous_format)
     return t
 
