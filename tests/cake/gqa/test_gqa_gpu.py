@@ -132,9 +132,9 @@ def test_strided_views_of_packed_qkv():
 
 def test_rejected_operands_gpu():
     q, k, v, do, cq, ck = _inputs([64], [64], 2, 1)
-    with pytest.raises(ValueError, match="cu_seqlens_q"):
+    with pytest.raises(ValueError, match="^cu_seqlens_q is on cpu but q is on cuda"):
         decl.varlen_gqa_attention(q, k, v, cq.cpu(), ck, max_seqlen_k=64)
-    with pytest.raises(ValueError, match="k"):
+    with pytest.raises(ValueError, match="^k is on cpu but q is on cuda"):
         decl.varlen_gqa_attention(q, k.cpu(), v, cq, ck, max_seqlen_k=64)
     with pytest.raises(TypeError, match="max_seqlen_k"):
         decl.varlen_gqa_attention(q, k, v, cq, ck, max_seqlen_k=torch.tensor(64))
