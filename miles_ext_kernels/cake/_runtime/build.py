@@ -89,9 +89,9 @@ def check_device(t, name: str, archs: tuple[str, ...] = ("sm_90a",)) -> str:
     """
     idx = t.get_device()
     arch = _arch_by_index.get(idx)
-    if arch is not None and arch in archs:
+    if arch is not None and arch in archs and t.is_cuda:
         return arch
-    if idx >= 0:
+    if idx >= 0 and t.is_cuda:  # (another accelerator's tensor has an index too: never take it for a GPU's)
         if arch is None:
             import torch
 

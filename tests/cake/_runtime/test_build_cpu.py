@@ -46,6 +46,20 @@ def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
         build.check_device(torch.zeros(1), "x")
 
 
+def test_other_accelerator_tensor_is_refused(monkeypatch):
+    # a tensor of another accelerator (mps, xpu, ...) has device index 0 like cuda:0: it must not get cuda:0's arch
+    class Other:
+        device = torch.device("xpu", 0)
+        is_cuda = False
+
+        def get_device(self):
+            return 0
+
+    monkeypatch.setitem(build._arch_by_index, 0, "sm_90a")  # as after a call on cuda:0
+    with pytest.raises(ValueError, match="^x is on device xpu:0: cake ops run on CUDA GPUs"):
+        build.check_device(Other(), "x")
+
+
 @pytest.mark.interpreter
 def test_synthetic_kernel_runs_through_interpreter_per_variant():
     import miles_ext_kernels as mek
