@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..._runtime import build, checks, config, workspace
 from . import kernels
@@ -182,6 +183,7 @@ class _Conv1dFn(torch.autograd.Function):
         return _fwd(x, weight, cu_seqlens, act)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of silently carrying no history
     def backward(ctx, dy):
         x, weight, cu_seqlens = ctx.saved_tensors
         dx, dw = _bwd(dy, x, weight, cu_seqlens, ctx.act_mode, ctx.det)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 
 from miles_ext_kernels.cake import gated_rmsnorm as _decl
@@ -198,6 +199,7 @@ class _GatedFn(torch.autograd.Function):
         return _fwd(x, z, weight, eps, D)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of silently carrying no history
     def backward(ctx, dy):
         x, z, weight = ctx.saved_tensors
         dx, dz, dw = _bwd(dy, x, z, weight, ctx.eps, ctx.deterministic, ctx.D)

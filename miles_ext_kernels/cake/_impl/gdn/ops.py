@@ -14,6 +14,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from miles_ext_kernels.cake._runtime import build, config, workspace
 from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
@@ -385,6 +386,7 @@ class _GatedDeltaRule(torch.autograd.Function):
         return o, ht
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of silently carrying no history
     def backward(ctx, do, dht):
         q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table = ctx.saved_tensors
         if not ctx.output_final_state:
@@ -412,6 +414,7 @@ class _GatedDeltaRuleEager(torch.autograd.Function):
         return o, ht
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of silently carrying no history
     def backward(ctx, do, dht):
         q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table = ctx.saved_tensors
         if not ctx.output_final_state:

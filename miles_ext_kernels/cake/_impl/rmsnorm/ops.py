@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 
 from miles_ext_kernels.cake import rmsnorm as _decl
@@ -220,6 +221,7 @@ class _RMSNormFn(torch.autograd.Function):
         return _fwd(x, weight, eps, H)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of silently carrying no history
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx, dw = _bwd(dy, x, weight, ctx.eps, ctx.deterministic, ctx.H)
