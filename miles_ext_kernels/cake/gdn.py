@@ -28,7 +28,9 @@ OP = OpSpec(
     selected_by=(("linear_attention_backend", "cake"),),
     entry_points=("chunk_gated_delta_rule",),
     options=(Flag("recompute_state", "gdn backward recomputes the per-chunk states instead of keeping them from "
-                  "the forward (less activation memory, a longer backward)"),),
+                  "the forward (less activation memory, a longer backward)"),
+             Flag("check_seqlens", "gdn: check cu_seqlens on the host before each call (one device sync per call): "
+                  "starts at 0, never decreases, ends exactly at T")),
     prebuild_params=("head_k_dim", "head_v_dim"),
     archs=("sm_90a",),
 )
@@ -70,7 +72,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     device->host synchronisation (cu_seqlens stays on the device and is trusted: 0 = c_0 <= ... <= c_N = T, as
     in fla; a pack padded past its last document must pass the padding as one more segment — rows past c_N
     are not computed: their outputs and gradients are undefined (uninitialised memory, possibly NaN); on a GPU
-    a violation cannot be detected without a sync; on CPU it raises).
+    a violation cannot be detected without a sync; on CPU it raises). `configure(gdn_check_seqlens=True)`
+    (`--cake-gdn-check-seqlens`) checks them on the host before each call instead (one device sync per call;
+    eager mode).
     """
     from ._impl import gdn as impl  # a static import: torch.compile traces it (importlib it cannot)
 

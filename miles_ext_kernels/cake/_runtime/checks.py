@@ -54,3 +54,19 @@ def check_same_device(names_and_tensors) -> None:
     for name, t in rest:
         if t.device != first.device:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+
+
+def check_cu_seqlens(name: str, cu_seqlens, num_tokens: int, *, must_end_at_total: bool = False):
+    """Validate packed-document boundaries on the host: start at 0, never decrease, end within (or, with
+    `must_end_at_total`, exactly at) `num_tokens`. Copies them to the host: one device sync per call, which is why
+    ops run it only behind a `check_seqlens` option. Returns the boundaries as a CPU int64 tensor."""
+    c = cu_seqlens.detach().to("cpu", torch.int64)
+    if c.numel() == 0 or int(c[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {c.tolist()[:1]}")
+    if c.shape[0] > 1 and bool((c[1:] < c[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing")
+    end = int(c[-1])
+    if end > num_tokens or (must_end_at_total and end != num_tokens):
+        want = "exactly at" if must_end_at_total else "within"
+        raise ValueError(f"{name} ends at {end}; it must end {want} the {num_tokens} tokens")
+    return c

@@ -36,6 +36,15 @@ def test_declaration():
     assert op.prebuild_params == ("head_k_dim", "head_v_dim")
     flag = op.option("recompute_state")
     assert flag.is_bool and flag.default is False
+    flag = op.option("check_seqlens")
+    assert flag.is_bool and flag.default is False
+
+
+def test_check_seqlens_flag():
+    args = parse_validated("--linear-attention-backend", "cake", "--cake-gdn-check-seqlens")
+    assert args.cake_gdn_check_seqlens is True
+    with pytest.raises(ValueError):
+        parse_validated("--cake-gdn-check-seqlens")  # an option without its selector
 
 
 def test_import_is_torch_free():

@@ -190,3 +190,24 @@ def test_torch_compile_fullgraph_traces():
     eager = f(*args)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+def test_check_seqlens_option_checks_on_the_host(monkeypatch):
+    """With gdn_check_seqlens the boundaries go through the shared host check (exactly at T) before any launch."""
+    from miles_ext_kernels.cake._runtime import checks
+
+    seen = []
+    real = checks.check_cu_seqlens
+
+    def spy(name, cu, T, **kw):
+        seen.append((name, T, kw))
+        return real(name, cu, T, **kw)
+    monkeypatch.setattr(checks, "check_cu_seqlens", spy)
+    d = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
+    inp = d.make_inputs([5, 3], 1, 1, 16, 16, "cpu", seed=2, h0=False)
+    mek.configure(gdn_check_seqlens=True)
+    try:
+        gdn.chunk_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], cu_seqlens=inp["cu"])
+    finally:
+        mek.configure()
+    assert seen == [("cu_seqlens", 8, {"must_end_at_total": True})]

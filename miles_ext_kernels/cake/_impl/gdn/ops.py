@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from miles_ext_kernels.cake._runtime import build, config, workspace
+from miles_ext_kernels.cake._runtime import build, checks, config, workspace
 from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
 from miles_ext_kernels.cake.gdn import HEAD_DIMS  # the declaration owns the served head dims
 
@@ -431,6 +431,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None):
     _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     variant = config.variant(OP)
+    if cu_seqlens is not None and config.option(OP, "check_seqlens"):
+        checks.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[1], must_end_at_total=True)
     keep_state = not config.option(OP, "recompute_state")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     fn = _GatedDeltaRule if torch.compiler.is_compiling() else _GatedDeltaRuleEager

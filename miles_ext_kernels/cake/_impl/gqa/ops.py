@@ -376,18 +376,12 @@ def _check_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_s
 
 def check_seqlens(cu_seqlens_q, cu_seqlens_k, T_q: int, T_k: int, max_seqlen_k: int) -> None:
     """Validate the boundaries on the host (one device sync). ValueError naming the argument."""
-    for name, cu, T in (("cu_seqlens_q", cu_seqlens_q, T_q), ("cu_seqlens_k", cu_seqlens_k, T_k)):
-        c = cu.detach().to("cpu", torch.int64)
-        if int(c[0]) != 0:
-            raise ValueError(f"{name} must start at 0, got {int(c[0])}")
-        if c.shape[0] > 1 and bool((c[1:] < c[:-1]).any()):
-            raise ValueError(f"{name} must be non-decreasing")
-        if int(c[-1]) > T:
-            raise ValueError(f"{name} ends at {int(c[-1])}, past the {T} tokens")
-        if name == "cu_seqlens_k" and c.shape[0] > 1:
-            longest = int((c[1:] - c[:-1]).max())
-            if longest > max_seqlen_k:
-                raise ValueError(f"max_seqlen_k={max_seqlen_k} but a segment has {longest} keys")
+    checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, T_q)
+    c = checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, T_k)
+    if c.shape[0] > 1:
+        longest = int((c[1:] - c[:-1]).max())
+        if longest > max_seqlen_k:
+            raise ValueError(f"max_seqlen_k={max_seqlen_k} but a segment has {longest} keys")
 
 
 def varlen_gqa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_k, softmax_scale=None,
