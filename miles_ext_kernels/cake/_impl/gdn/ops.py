@@ -207,6 +207,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@build.on_input_device
 def gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -245,6 +246,7 @@ def gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final
     return o, ht, qn, kk, gc, A, w, h, vn, cu, table
 
 
+@build.on_input_device
 def gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale, use_l2,
                  keep_state):
     B, T, H, K = q.shape
@@ -323,9 +325,7 @@ def _gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 output_final_state: bool, use_l2: bool, keep_state: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    with build.device_guard(q):
-        outs = gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2,
-                           keep_state)
+    outs = gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state)
     # outputs must not alias inputs (cu may be the caller's int32 cu_seqlens)
     return tuple(x.clone() if (x is cu_seqlens) else x for x in outs)
 
@@ -360,9 +360,8 @@ def _gdn_bwd_op(do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, 
                 h: torch.Tensor, vn: torch.Tensor, cu: torch.Tensor, table: torch.Tensor, scale: float, use_l2: bool,
                 keep_state: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor]:
-    with build.device_guard(q):
-        return gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale,
-                            use_l2, keep_state)
+    return gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale, use_l2,
+                        keep_state)
 
 
 @_gdn_bwd_op.register_fake
@@ -375,14 +374,18 @@ def _(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, tab
 
 
 class _GatedDeltaRule(torch.autograd.Function):
+    """The autograd node of both paths: under torch.compile the custom ops (traced through their fakes); in eager mode
+    the same launchers called directly (the custom-op dispatch costs host time)."""
+
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state,
-                variant):
-        o, ht, qn, kk, gc, A, w, h, vn, cu, table = torch.ops.miles_ext_kernels.gdn_fwd(
+                variant, via_custom_ops):
+        fwd = torch.ops.miles_ext_kernels.gdn_fwd if via_custom_ops else gdn_forward
+        o, ht, qn, kk, gc, A, w, h, vn, cu, table = fwd(
             q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state)
         ctx.save_for_backward(q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table)
         ctx.scale, ctx.use_l2, ctx.keep_state, ctx.variant = scale, use_l2, keep_state, variant
-        ctx.output_final_state = output_final_state
+        ctx.output_final_state, ctx.via_custom_ops = output_final_state, via_custom_ops
         return o, ht
 
     @staticmethod
@@ -393,38 +396,11 @@ class _GatedDeltaRule(torch.autograd.Function):
             dht = None
         if do is None:
             do = torch.zeros(q.shape[0], q.shape[1], v.shape[2], v.shape[3], dtype=q.dtype, device=q.device)
-        dq, dk, dv, dg, db, dh0 = torch.ops.miles_ext_kernels.gdn_bwd(
-            do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, ctx.scale, ctx.use_l2,
-            ctx.keep_state)
-        return dq, dk, dv, dg, db, (dh0 if initial_state is not None else None), None, None, None, None, None, None
-
-
-class _GatedDeltaRuleEager(torch.autograd.Function):
-    """The eager path: the same launchers as the custom ops, without the custom-op dispatch (host time)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state,
-                variant):
-        with build.device_guard(q):
-            o, ht, qn, kk, gc, A, w, h, vn, cu, table = gdn_forward(
-                q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state)
-        ctx.save_for_backward(q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table)
-        ctx.scale, ctx.use_l2, ctx.keep_state, ctx.variant = scale, use_l2, keep_state, variant
-        ctx.output_final_state = output_final_state
-        return o, ht
-
-    @staticmethod
-    @once_differentiable  # a second derivative raises instead of silently carrying no history
-    def backward(ctx, do, dht):
-        q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table = ctx.saved_tensors
-        if not ctx.output_final_state:
-            dht = None
-        if do is None:
-            do = torch.zeros(q.shape[0], q.shape[1], v.shape[2], v.shape[3], dtype=q.dtype, device=q.device)
-        with build.device_guard(q):
-            dq, dk, dv, dg, db, dh0 = gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn,
-                                                   cu, table, ctx.scale, ctx.use_l2, ctx.keep_state)
-        return dq, dk, dv, dg, db, (dh0 if initial_state is not None else None), None, None, None, None, None, None
+        bwd = torch.ops.miles_ext_kernels.gdn_bwd if ctx.via_custom_ops else gdn_backward
+        dq, dk, dv, dg, db, dh0 = bwd(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table,
+                                      ctx.scale, ctx.use_l2, ctx.keep_state)
+        dh0 = dh0 if initial_state is not None else None
+        return dq, dk, dv, dg, db, dh0, None, None, None, None, None, None, None
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -435,9 +411,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
         checks.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[1], must_end_at_total=True)
     keep_state = not config.option(OP, "recompute_state")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    fn = _GatedDeltaRule if torch.compiler.is_compiling() else _GatedDeltaRuleEager
-    o, ht = fn.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                     use_qk_l2norm_in_kernel, keep_state, variant)
+    o, ht = _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                                  use_qk_l2norm_in_kernel, keep_state, variant, torch.compiler.is_compiling())
     return o, (ht if output_final_state else None)
 
 
