@@ -1,19 +1,12 @@
 """One prebuild of gqa, then every route (forward, delta, dQ, dK/dV, tile prefix; det and fast) runs under
 no_build(): in this process, and in fresh processes sharing the cache directory (det bits equal this process')."""
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 import miles_ext_kernels as mek
-from miles_ext_kernels import cake
+from tests.cake._prebuild import check_prebuild_here_and_on_a_node
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def every_route():
@@ -42,32 +35,5 @@ def every_route():
 
 
 def test_prebuild_then_no_build_here_and_in_fresh_processes(tmp_path):
-    res = cake.prebuild("gqa")
-    assert len(res.routes) > 0 and cake.prebuild("gqa") is res
-    with cake.no_build():
-        here = every_route()
-    cake.release("gqa")
-    cache = str(tmp_path / "node-cache")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TRITON_CACHE_DIR=cache)
-    got = []
-    for name in ("A", "B"):
-        bits = str(tmp_path / f"bits{name}.pt")
-        script = textwrap.dedent(f"""
-            import json, torch
-            from miles_ext_kernels import cake
-            from tests.cake.gqa.test_prebuild_gpu import every_route
-            res = cake.prebuild("gqa")
-            with cake.no_build():
-                torch.save(every_route(), {bits!r})
-            print(json.dumps({{"generated": res.generated, "routes": len(res.routes)}}))
-        """)
-        out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                             timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        got.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        there = torch.load(bits)
-        assert there.keys() == here.keys()
-        for key in here:
-            assert torch.equal(here[key], there[key]), (name, key)
-    n = len(res.routes)
-    assert got == [{"generated": n, "routes": n}, {"generated": 0, "routes": n}]
+    check_prebuild_here_and_on_a_node(tmp_path, "gqa", {},
+                                      "tests.cake.gqa.test_prebuild_gpu", ())
