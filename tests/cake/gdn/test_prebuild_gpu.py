@@ -1,4 +1,4 @@
-"""One prebuild of gdn (head dims 128 / 128), then every route runs under no_build(): in this process, and in a
+"""One prebuild of gdn (head dims 128 / 128), then every route runs under no_build(): in this process, and in
 fresh processes that share a cache directory (see tests/cake/_prebuild.py)."""
 import importlib
 
