@@ -76,6 +76,45 @@ def queued_ms(fn, warmup: int = 5, rep: int = 30) -> float:
     return times[len(times) // 2]
 
 
+_SLEEP_CYCLES_PER_MS: dict = {}
+
+
+def _sleep_cycles_per_ms() -> float:
+    """GPU clock cycles of `torch.cuda._sleep` per ms on the current device (measured once)."""
+    dev = torch.cuda.current_device()
+    if dev not in _SLEEP_CYCLES_PER_MS:
+        cycles = 20_000_000
+        torch.cuda._sleep(1000)  # load the kernel
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        _SLEEP_CYCLES_PER_MS[dev] = cycles / start.elapsed_time(end)
+    return _SLEEP_CYCLES_PER_MS[dev]
+
+
+def device_ms(fn, warmup: int = 5, rep: int = 30, lead_ms: float = 2.0) -> float:
+    """Median GPU time of one call, in ms, with the host's launch work hidden: before each repetition the GPU
+    spins for `lead_ms` (`torch.cuda._sleep`), so the host has queued the whole call before its start event fires.
+    What is measured is the kernels' time plus the gaps between them on the GPU: the time a training step sees
+    when its host runs ahead of the GPU. `queued_ms` and `median_ms` also count host time the host cannot hide
+    (short kernels behind a long Python launch path)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    cycles = int(lead_ms * _sleep_cycles_per_ms())
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for start, end in events:
+        torch.cuda._sleep(cycles)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return times[len(times) // 2]
+
+
 def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Path:
     """Write `bench/results/<name>.json` (env + rows) and return its path; $BENCH_OUT (a folder) gets a copy."""
     RESULTS.mkdir(parents=True, exist_ok=True)

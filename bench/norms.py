@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from _common import COPY_TBPS, median_ms, print_table, queued_ms, write_results  # noqa: E402
+from _common import COPY_TBPS, device_ms, median_ms, print_table, queued_ms, write_results  # noqa: E402
 
 import miles_ext_kernels as mek  # noqa: E402
 from miles_ext_kernels import cake  # noqa: E402
@@ -76,23 +76,29 @@ def gpu_rel_rms(got, ref):
 
 # ---------------------------------------------------------------------------------------------------------------
 def time_fwd_bwd(fn, args, grad_idx, dy):
-    """(fwd_ms, bwd_ms, fwd_ms_queued, bwd_ms_queued): forward with autograd on; backward = autograd.grad of
-    that output (graph retained)."""
+    """{timer: (fwd_ms, bwd_ms)} for the three timers (device, queued, synced): forward with autograd on;
+    backward = autograd.grad of that output (graph retained)."""
     leaves = [a.detach().requires_grad_(i in grad_idx) if torch.is_tensor(a) else a for i, a in enumerate(args)]
-    fwd = median_ms(lambda: fn(*leaves))
-    fwd_q = queued_ms(lambda: fn(*leaves))
     y = fn(*leaves)
     inputs = [leaves[i] for i in grad_idx]
-    bwd = median_ms(lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True))
-    bwd_q = queued_ms(lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True))
-    return fwd, bwd, fwd_q, bwd_q
+    fwd = lambda: fn(*leaves)  # noqa: E731
+    bwd = lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True)  # noqa: E731
+    return {name: (timer(fwd), timer(bwd))
+            for name, timer in (("device", device_ms), ("queued", queued_ms), ("synced", median_ms))}
+
+
+TIMER_NOTE = ("Times: GPU time with the host's launch work hidden (`device_ms`: each call queued behind a 2 ms GPU "
+              "spin, as in a training step whose host runs ahead); the JSON also has `*_queued` (calls back to back, "
+              "host-bound when a launch path is slower than its kernels) and `*_synced` (one sync per call).")
 
 
 def row(op, shape, impl, t, fb, bb):
-    f_ms, b_ms, fq, bq = t
-    return {"op": op, "shape": shape, "impl": impl, "fwd_ms": f_ms, "bwd_ms": b_ms,
-            "fwd_tbps": fb / f_ms / 1e9, "bwd_tbps": bb / b_ms / 1e9,
-            "fwd_ms_queued": fq, "bwd_ms_queued": bq, "fwd_tbps_queued": fb / fq / 1e9, "bwd_tbps_queued": bb / bq / 1e9}
+    out = {"op": op, "shape": shape, "impl": impl}
+    for name, (f_ms, b_ms) in t.items():
+        sfx = "" if name == "device" else f"_{name}"
+        out.update({f"fwd_ms{sfx}": f_ms, f"bwd_ms{sfx}": b_ms,
+                    f"fwd_tbps{sfx}": fb / f_ms / 1e9, f"bwd_tbps{sfx}": bb / b_ms / 1e9})
+    return out
 
 
 def rms_bytes(T, H):
@@ -203,7 +209,7 @@ def bench_rows(quick):
 # ---------------------------------------------------------------------------------------------------------------
 def sweep(deadline):
     """Alternative fixed configs of our kernels at 32k tokens (launchers called directly), to fill the table.
-    Backward first (it matters most); `programs` is matched to how many CTAs fit on an SM. Queued timing."""
+    Backward first (it matters most); `programs` is matched to how many CTAs fit on an SM. Device timing."""
     out = []
     T = 32768
     N, D = T * 32, 128
@@ -237,19 +243,19 @@ def sweep(deadline):
                 fb, bb = rms_bytes(T, width)
                 if kind == "rmsnorm.fwd":
                     rec(name, f"H{width}", cfg or rops.fwd_config(width, "large"), P,
-                        queued_ms(lambda: rops.rmsnorm_fwd(x, w, EPS, cfg=cfg)), fb)
+                        device_ms(lambda: rops.rmsnorm_fwd(x, w, EPS, cfg=cfg)), fb)
                 else:
                     rec(name, f"H{width}", cfg or rops.bwd_config(width, "large"), P,
-                        queued_ms(lambda: rops.rmsnorm_bwd(dy, x, w, EPS, True, cfg=cfg, programs=P, atomic=atomic)),
+                        device_ms(lambda: rops.rmsnorm_bwd(dy, x, w, EPS, True, cfg=cfg, programs=P, atomic=atomic)),
                         bb)
             else:
                 fb, bb = gated_bytes(N, D)
                 if kind == "gated.fwd":
                     rec(name, "32x128", cfg or gops.fwd_config(D, "large"), P,
-                        queued_ms(lambda: gops.gated_fwd(gx, gz, gw, EPS, cfg=cfg)), fb)
+                        device_ms(lambda: gops.gated_fwd(gx, gz, gw, EPS, cfg=cfg)), fb)
                 else:
                     rec(name, "32x128", cfg or gops.bwd_config(D, "large"), P,
-                        queued_ms(lambda: gops.gated_bwd(gdy, gx, gz, gw, EPS, True, cfg=cfg, programs=P,
+                        device_ms(lambda: gops.gated_bwd(gdy, gx, gz, gw, EPS, True, cfg=cfg, programs=P,
                                                          atomic=atomic)), bb)
         except Exception as e:  # noqa: BLE001
             log(f"sweep {kind} {cfg} failed:", repr(e)[:300])
@@ -272,14 +278,15 @@ def main():
     rows, errors = bench_rows(ns.quick)
     print()
     print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tbps", "bwd_tbps", "fwd_tbps_queued",
-                       "bwd_tbps_queued"])
+                       "bwd_tbps_queued", "fwd_tbps_synced", "bwd_tbps_synced"])
     print()
     print_table(errors, ["op", "shape", "impl", "y", "dx", "dz", "dw"])
     sw = [] if ns.no_sweep else sweep(time.time() + ns.sweep_seconds)
     if sw:
         print()
         print_table(sw, ["kernel", "shape", "cfg", "programs", "ms", "tbps"])
-    path = write_results(ns.name, rows, {"errors": errors, "sweep": sw, "copy_tbps": COPY_TBPS})
+    path = write_results(ns.name, rows, {"errors": errors, "sweep": sw, "copy_tbps": COPY_TBPS,
+                                         "timer_note": TIMER_NOTE})
     log("wrote", path)
 
 

@@ -60,7 +60,9 @@ def markdown(path: Path) -> str:
     lines = [f"**{doc['bench']}** — {doc.get('gpu', '?')}, torch {doc.get('torch')}, triton {doc.get('triton')}, "
              f"{doc.get('date')} (`bench/results/{path.name}`)", "",
              f"| shape | impl | fwd ms | bwd ms | fwd {unit} | bwd {unit} |", "|---|---|---|---|---|---|"]
-    if any("fwd_ms_synced" in r for r in rows):
+    if doc.get("timer_note"):
+        lines.insert(1, doc["timer_note"])
+    elif any("fwd_ms_synced" in r for r in rows):
         lines.insert(1, "Times: calls queued back to back (`queued_ms`, host launch hidden as in a training step); the "
                         "JSON also has `*_synced` (one sync per call).")
     elif any("fwd_ms_queued" in r for r in rows):
