@@ -47,10 +47,11 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, T, stride_x, stride_y, eps,
 def _rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, part_ptr, cnt_ptr, dw_ptr, T, stride_x, stride_dy, stride_dx,
                         rows_per_prog, eps, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
                         BLOCK_B: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr, RED_C: tl.constexpr,
-                        ATOMIC: tl.constexpr):
+                        KAHAN: tl.constexpr, ATOMIC: tl.constexpr):
     """Persistent: program p owns rows [p * rows_per_prog, (p + 1) * rows_per_prog). dx row by row (the loads of
     the next STAGES - 1 row blocks in flight, through shared memory); the weight gradient of its rows is summed in
-    registers (Kahan-compensated).
+    registers (Kahan-compensated when KAHAN; a plain fp32 sum otherwise, for tables with more programs, so fewer rows
+    per program, where the 40 registers of the compensation at H 5120 buy a second CTA per SM).
 
     det (`ATOMIC=False`): the program writes its sum as partial row p of `part_ptr` ([P + cdiv(P, GROUP), H] fp32)
     and `fixed_order_finish` reduces the partial rows in a fixed order inside this launch (the last program of each
@@ -61,7 +62,7 @@ def _rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, part_ptr, cnt_ptr, dw_ptr,
     ca = tl.arange(0, BLOCK_A)
     w = tl.load(w_ptr + ca).to(tl.float32) + 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
-    comp = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)  # Kahan compensation of acc
+    comp = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)  # Kahan compensation of acc (unused without KAHAN)
     if BLOCK_B > 0:
         cb = BLOCK_A + tl.arange(0, BLOCK_B)
         cbm = cb < H
@@ -98,17 +99,23 @@ def _rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, part_ptr, cnt_ptr, dw_ptr,
         tl.store(dx_ptr + do[:, None] + ca[None, :], dx.to(dx_ptr.dtype.element_ty), mask=rmask)
         # compensated sum over this program's rows: a program walks ~T / P rows (hundreds), and a plain fp32
         # running sum would lose ~sqrt(rows) ulps; Kahan keeps the weight gradient within a few ulps
-        term = dy * xhat - comp
-        total = acc + term
-        comp = (total - acc) - term
-        acc = total
+        if KAHAN:
+            term = dy * xhat - comp
+            total = acc + term
+            comp = (total - acc) - term
+            acc = total
+        else:
+            acc += dy * xhat
         if BLOCK_B > 0:
             dx_b = (wdy_b - xhat_b * c[:, None]) * rstd[:, None]
             tl.store(dx_ptr + do[:, None] + cb[None, :], dx_b.to(dx_ptr.dtype.element_ty), mask=mb)
-            term_b = dyb * xhat_b - comp_b
-            total_b = acc_b + term_b
-            comp_b = (total_b - acc_b) - term_b
-            acc_b = total_b
+            if KAHAN:
+                term_b = dyb * xhat_b - comp_b
+                total_b = acc_b + term_b
+                comp_b = (total_b - acc_b) - term_b
+                acc_b = total_b
+            else:
+                acc_b += dyb * xhat_b
     dw = tl.sum(acc, axis=0)
     if ATOMIC:
         tl.atomic_add(part_ptr + ca, dw, sem="relaxed")

@@ -64,7 +64,7 @@ def split(H: int) -> tuple[int, int]:
 
 
 # Forward, large window, by padded width: (BLOCK_M, num_warps); narrower rows scale BLOCK_M up from the 2048 entry.
-FWD_TABLE = {2048: (4, 8), 4096: (2, 8), 8192: (1, 8), 16384: (1, 16)}
+FWD_TABLE = {2048: (2, 8), 4096: (2, 8), 8192: (2, 8), 16384: (1, 16)}
 
 
 def fwd_config(H: int, window: str):
@@ -78,17 +78,26 @@ def fwd_config(H: int, window: str):
     return (*FWD_TABLE[bn], 1)
 
 
-# Backward, by padded width: (BLOCK_M, num_warps, STAGES = row blocks of loads in flight + 1, programs per SM).
-BWD_TABLE = {2048: (4, 8, 3, 1), 4096: (1, 8, 3, 2), 8192: (1, 8, 3, 1), 16384: (1, 16, 2, 1)}
+# Backward, by padded width: (BLOCK_M, num_warps, STAGES = row blocks of loads in flight + 1, KAHAN = compensated
+# weight-gradient sum, programs per SM).
+BWD_TABLE = {2048: (4, 8, 3, True, 1), 4096: (1, 8, 3, True, 2), 8192: (1, 8, 3, True, 1), 16384: (1, 16, 2, True, 1)}
 GROUP = 16  # partial rows per group of the in-launch fixed-order weight-gradient sum
 
 
+# Exact widths whose registers allow another tile than their padded width's entry (checked before BWD_TABLE).
+# H 5120 without the Kahan compensation fits two 8-warp CTAs per SM: 0.280 vs 0.355 ms at 32k tokens on the H200,
+# dw error vs FP64 1.44e-7 vs 1.05e-7 (Liger's: 1.70e-7); at H 7168 / 8192 the plain sum was slower (bench/NOTES.md).
+BWD_BY_WIDTH: dict = {5120: (1, 8, 3, False, 2)}
+
+
 def bwd_config(H: int, window: str):
-    """(BLOCK_M, num_warps, STAGES, programs per SM) of the backward (both windows: same)."""
+    """(BLOCK_M, num_warps, STAGES, KAHAN, programs per SM) of the backward (both windows: same)."""
+    if H in BWD_BY_WIDTH:
+        return BWD_BY_WIDTH[H]
     bn = _pow2(H)
     if bn <= 2048:
-        bm, nw, st, pps = BWD_TABLE[2048]
-        return max(1, bm * 2048 // bn), nw, st, pps
+        bm, nw, st, kahan, pps = BWD_TABLE[2048]
+        return max(1, bm * 2048 // bn), nw, st, kahan, pps
     return BWD_TABLE[bn]
 
 
@@ -176,12 +185,13 @@ def _bwd(dy, x, weight, eps: float, deterministic: bool, H: int, cfg=None, progr
     dy2, sdy = _rows(dy, H, "dy")
     w = _weight(weight)
     _, bcfg, P = _configs(H, T, arch)
-    bm, nw, st = cfg or bcfg
+    bm, nw, st, kahan = cfg or bcfg
     P = programs or P
     rows_per_prog, grid = _reduce.row_split(T, P, bm)
     atomic = (not deterministic and FAST_DW_ATOMIC) if atomic is None else atomic
     ba, bb = split(H)
-    consts = dict(H=H, BLOCK_M=bm, BLOCK_A=ba, BLOCK_B=bb, STAGES=st, GROUP=GROUP, RED_C=64 * nw, ATOMIC=atomic)
+    consts = dict(H=H, BLOCK_M=bm, BLOCK_A=ba, BLOCK_B=bb, STAGES=st, GROUP=GROUP, RED_C=64 * nw, KAHAN=kahan,
+                  ATOMIC=atomic)
     if atomic:
         dw, target = _reduce.weight_grad_buffers(OP, grid, H, weight, True)
         _launch(kernels._rmsnorm_bwd_kernel, grid, (x2, w, dy2, dx, target, target, target, T, sx, sdy, H, rows_per_prog, eps), consts, nw, st)
@@ -342,11 +352,11 @@ def routes(*, hidden_size: int):
             add(kernels._rmsnorm_fwd_kernel, (bf, wdt, bf, 4096, H, H, 1e-6),
                 dict(H=H, BLOCK_M=bm, BLOCK_A=ba, BLOCK_B=bb, num_warps=nw, num_stages=ns), f"rmsnorm.fwd[H={H},w={wn},{'+'.join(v for v in WINDOWS if fwd_config(H, v) == fwd_config(H, window))}]")
             for variant in (("det", "fast") if FAST_DW_ATOMIC else ("det+fast",)):
-                bm, nw, st, _ = bwd_config(H, window)
+                bm, nw, st, kahan, _ = bwd_config(H, window)
                 add(kernels._rmsnorm_bwd_kernel,
                     (bf, wdt, bf, bf, torch.float32, *((torch.float32,) * 2 if variant == "fast" else (torch.int32, wdt)),
                      4096, H, H, H, 16, 1e-6),
                     dict(H=H, BLOCK_M=bm, BLOCK_A=ba, BLOCK_B=bb, STAGES=st, GROUP=GROUP, RED_C=64 * nw,
-                         ATOMIC=variant == "fast", num_warps=nw, num_stages=st),
+                         KAHAN=kahan, ATOMIC=variant == "fast", num_warps=nw, num_stages=st),
                     f"rmsnorm.bwd[H={H},w={wn},{variant},{'+'.join(v for v in WINDOWS if bwd_config(H, v) == bwd_config(H, window))}]")
     return rs.routes + _reduce.routes("rmsnorm.")  # the reduction: the atomic path's bf16 cast
