@@ -40,9 +40,10 @@ def _gated_fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, N, NH, sxt, sxh, szt, szh, eps
 @triton.jit(do_not_specialize=["N", "NH", "sxt", "sxh", "szt", "szh", "sgt", "sgh", "rows_per_prog", "eps"])
 def _gated_bwd_kernel(x_ptr, z_ptr, w_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, N, NH, sxt, sxh, szt, szh, sgt, sgh,
                       rows_per_prog, eps, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                      ATOMIC: tl.constexpr):
+                      STAGES: tl.constexpr, ATOMIC: tl.constexpr):
     """Persistent: program p owns rows [p * rows_per_prog, (p + 1) * rows_per_prog); dx and dz ([N, D]
-    contiguous) row by row, and the weight gradient of its rows as partial row p of `dw_ptr` ([P, D] fp32, the
+    contiguous) row by row (with STAGES > 1 the loads of the next STAGES - 1 row blocks are in flight, through
+    shared memory, while this block is reduced), and the weight gradient of its rows as partial row p of `dw_ptr` ([P, D] fp32, the
     deterministic path) or atomically added into `dw_ptr` ([D] fp32, zeroed; the fast path)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -51,7 +52,7 @@ def _gated_bwd_kernel(x_ptr, z_ptr, w_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, N, NH
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     start = pid * rows_per_prog
     end = tl.minimum(start + rows_per_prog, N)
-    for r0 in range(start, end, BLOCK_M):
+    for r0 in tl.range(start, end, BLOCK_M, num_stages=STAGES):
         rows = r0 + tl.arange(0, BLOCK_M)
         mask = (rows < end)[:, None] & cmask[None, :]
         xo = _row_offsets(rows, NH, sxt, sxh)
