@@ -73,6 +73,23 @@ def test_math_exact_in_fp32(l2, keep, dims):
         assert err < 5e-6, (name, err, errs)
 
 
+@pytest.mark.parametrize("narrow_below", [0, 1 << 30])
+def test_state_kernels_wide_and_narrow_tiles(narrow_below, monkeypatch):
+    """Both tile configs of the sequential state kernels (wide: one V block of 64; narrow: two blocks of 32, used when
+    few sequences x heads would leave SMs idle) match the FP64 recurrence, states kept and recomputed."""
+    configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
+    monkeypatch.setitem(configs.CFG, "h_narrow", dict(configs.CFG["h_narrow"], BV=32))
+    monkeypatch.setitem(configs.CFG, "dh_narrow", dict(configs.CFG["dh_narrow"], BV=32))
+    monkeypatch.setattr(configs, "NARROW_BELOW", narrow_below)
+    want = ("h_narrow", 32) if narrow_below else ("h", 64)
+    assert ops._state_cfg("h", 64, 3 * 4) == want
+    assert ops._state_cfg("dh", 64, 3 * 4) == ("dh" + want[0][1:], want[1])
+    for keep in (True, False):
+        errs = _fp32_case([15, 70, 50], 2, 4, 16, 64, True, keep)
+        for name, err in errs.items():
+            assert err < 5e-6, (name, err, errs)
+
+
 def _public(inp, *, l2, cu=True, final=True, h0=True):
     leaves = {n: inp[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
     if h0:

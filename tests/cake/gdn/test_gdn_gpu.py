@@ -71,6 +71,22 @@ def test_accuracy_vs_fp64_and_fla(case):
         check_budget(name, ours[name], ref[name], budget)
 
 
+@pytest.mark.parametrize("narrow_below", [0, 1 << 30])
+def test_state_tiles_wide_and_narrow_within_budgets(case, narrow_below, monkeypatch):
+    """The sequential state kernels' wide tiles and narrow tiles (chosen for few long documents) both stay within
+    the budgets at the real head dims; each config repeats its bits."""
+    inp, _, ref, _ = case
+    configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
+    ops = importlib.import_module("miles_ext_kernels.cake._impl.gdn.ops")
+    monkeypatch.setattr(configs, "NARROW_BELOW", narrow_below)
+    assert ops._state_cfg("h", V, len(LENS) * HV)[0] == ("h_narrow" if narrow_below else "h")
+    got = demo_mod.run_impl(inp, l2=True)
+    again = demo_mod.run_impl(inp, l2=True)
+    for name in got:
+        check_budget(name, got[name], ref[name], BUDGETS[name])
+        assert torch.equal(got[name], again[name]), name
+
+
 def test_det_bits_repeat_variants_side_stream_pool(case):
     inp, ours, _, _ = case
     again = demo_mod.run_impl(inp, l2=True)

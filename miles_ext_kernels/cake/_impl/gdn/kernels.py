@@ -385,11 +385,11 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, cu, dht, dh0, dhe, dd, scale, H, HV, K: 
 @triton.jit(do_not_specialize=["H", "HV"])
 def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, scale, H, HV, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PHASE: tl.constexpr, NPART: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    SLOT0: tl.constexpr, INTERPRET: tl.constexpr):
     """Per chunk and BK-wide slice of K: dq, dk (through o and the state update), dw = -dd h^T and the slice's part
     of dG (per value head). PHASE 0 does all; PHASE 1 only dq, dw; PHASE 2 only dk (two launches, fewer live
-    tiles each). dgp [T, HV, (K // BK) * NPART] holds the partial dG sums (slice-major, then phase), added in that
-    order by the WY backward."""
+    tiles each; each launch may use its own BK). dgp [T, HV, NPART] holds the partial dG sums: this launch's slice ik
+    writes slot SLOT0 + ik; the WY backward adds the slots in order."""
     pid = tl.program_id(0)
     hv = tl.program_id(1)
     p = pid // (K // BK)
@@ -451,7 +451,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
         b_kf = b_k.to(tl.float32)
         ks = tl.sum(b_dks * b_kf, 1)
         b_dg -= tl.sum(b_dk * b_kf, 1) + ks
-        tl.store(dk + out_k, b_dk + b_dks, mask=m[:, None])
+        tl.store(dk + out_k, _rnd(b_dk + b_dks, dk.dtype.element_ty, INTERPRET), mask=m[:, None])
 
         hd = tl.sum(tl.zeros([32], dtype=tl.float32), 0)
         for i0 in tl.static_range(0, BK, 16):  # sum(h * dhe) over the slice in 16-row pieces (few live registers)
@@ -459,7 +459,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
             hd += tl.sum(tl.sum(tl.load(h + sl).to(tl.float32) * tl.load(dhe + sl).to(tl.float32), 1), 0)
         extra = tl.exp(g_last) * hd + tl.sum(ks, 0)
         b_dg += tl.where(o_t == (last - t0), extra, 0.)
-    tl.store(dgp + (rows * HV + hv) * ((K // BK) * NPART) + ik * NPART + PHASE // 2, b_dg, mask=m)
+    tl.store(dgp + (rows * HV + hv) * NPART + SLOT0 + ik, b_dg, mask=m)
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
@@ -554,7 +554,7 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dko, dgp, dv, dbeta,
         b_dk += _dot(b_mm, b_kd, INTERPRET) + tl.trans(_dot(tl.trans(b_kd), b_mm, INTERPRET))
 
     out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-    b_dk += tl.load(dk + out_k, mask=m[:, None], other=0.)
+    b_dk += tl.load(dk + out_k, mask=m[:, None], other=0.).to(tl.float32)
     tl.store(dko + out_k, _rnd(b_dk, dko.dtype.element_ty, INTERPRET), mask=m[:, None])
     for ik in tl.static_range(NK):  # the K slices' partial dG, in slice order
         b_dg += tl.load(dgp + (rows * HV + hv) * NK + ik, mask=m, other=0.)

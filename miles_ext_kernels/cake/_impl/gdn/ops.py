@@ -42,8 +42,28 @@ def _bv(name: str, V: int) -> int:
     return min(V, configs.CFG[name]["BV"])
 
 
-def _bk(K: int) -> int:
-    return min(K, configs.CFG["dqkw"]["BK"])
+def _state_cfg(name: str, V: int, seq_heads: int) -> tuple:
+    """(config name, BV) of a sequential state kernel ("h": fwd_h, "dh": bwd_dh), which runs one program per
+    (sequence, value head, BV block): the narrow config when the wide tiles would leave most SMs idle."""
+    bv = _bv(name, V)
+    if seq_heads * (V // bv) < configs.NARROW_BELOW:
+        name += "_narrow"
+        bv = _bv(name, V)
+    return name, bv
+
+
+def _bk(K: int, phase: int = 0) -> int:
+    return min(K, configs.CFG["dqkw"]["BK_dk" if phase == 2 else "BK"])
+
+
+def _dqkw_launches(K: int) -> list:
+    """(phase, BK, first dG slot) of each dq / dk / dw launch, and the number of dG slots."""
+    out, slot = [], 0
+    for phase in _dqkw_phases():
+        bk = _bk(K, phase)
+        out.append((phase, bk, slot))
+        slot += K // bk
+    return out, slot
 
 
 def _fuse_dvl() -> bool:
@@ -182,10 +202,10 @@ def _fwd_state(kk, w, u, gc, cu, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_
     vn = (_ws(ws_prefix + "vn", (T, HV, V), dt, device) if ws_prefix
           else torch.empty(T, HV, V, dtype=dt, device=device))
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_ht else _empty0(device)
-    BV = _bv("h", V)
+    cname, BV = _state_cfg("h", V, N * HV)
     kn.fwd_h_kernel[(N * HV, V // BV)](
         kk, w, u, gc, cu, h0 if h0 is not None else gc, h, vn, ht if want_ht else gc, H, HV,
-        K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=want_ht, INTERPRET=build.INTERPRET, **_cfg("h"))
+        K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=want_ht, INTERPRET=build.INTERPRET, **_cfg(cname))
     return h, vn, ht
 
 
@@ -277,24 +297,23 @@ def gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, 
     want_dh0 = initial_state is not None
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_dh0 else None
     dhtf = _c(dht.to(torch.float32)) if dht is not None else None
-    BV = _bv("dh", V)
+    cname, BV = _state_cfg("dh", V, N * HV)
     kn.bwd_dh_kernel[(N * HV, V // BV)](
         qn, kk, w, do, dvl, gc, cu, dhtf if dhtf is not None else gc, dh0 if want_dh0 else gc, dhe, dd,
         float(scale), H, HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhtf is not None, STORE_DH0=want_dh0, FUSE_DVL=fuse,
-        INTERPRET=build.INTERPRET, **_cfg("dh"))
+        INTERPRET=build.INTERPRET, **_cfg(cname))
     pdt = _pdt(dt)
     dqv = _ws("dqv", (Tt, HV, K), pdt, device)
-    dkv = _ws("dkv", (Tt, HV, K), torch.float32, device)
+    kdt = pdt if configs.CFG["final"]["LOW_DK"] else torch.float32  # dk of dqkw, read back by the WY backward
+    dkv = _ws("dkv", (Tt, HV, K), kdt, device)
     dw = _ws("dw", (Tt, HV, K), dt, device)
-    BK = _bk(K)
-    phases = _dqkw_phases()
-    NP = K // BK * len(phases)  # partial dG sums per row
+    launches, NP = _dqkw_launches(K)  # NP: partial dG sums per row
     dgp = _ws("dgp", (Tt, HV, NP), torch.float32, device)
-    for phase in phases:
+    for phase, BK, slot0 in launches:
         kn.bwd_dqkw_kernel[(P * (K // BK), HV)](
             qn, kk, vn, do, dd, gc, h, dhe, cu, table, dqv, dkv, dw, dgp, float(scale), H, HV, K=K, V=V, BT=BT,
-            BK=BK, PHASE=phase, NPART=len(phases), INTERPRET=build.INTERPRET, **_dqkw_cfg(phase))
-    dkf = dkv if pdt == torch.float32 else _ws("dkf", (Tt, HV, K), pdt, device)
+            BK=BK, PHASE=phase, NPART=NP, SLOT0=slot0, INTERPRET=build.INTERPRET, **_dqkw_cfg(phase))
+    dkf = dkv if pdt == kdt else _ws("dkf", (Tt, HV, K), pdt, device)
     dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=device)
     dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     dgf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
@@ -424,7 +443,6 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
         raise ValueError(f"head dims must be in {HEAD_DIMS}, got head_k_dim={K}, head_v_dim={V}")
     bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
     I = build.INTERPRET  # noqa: E741
-    BK = _bk(K)
     fuse = _fuse_dvl()
     R = build.Route
     out = []
@@ -435,35 +453,39 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
                  dict(K=K, BT=BT, INTERPRET=I, **_cfg("prep")), "fwd_prep"))
     out.append(R(kn.fwd_wu_kernel, (bf, bf, f32, f32, bf, i32, i32, bf, bf, 1, 1), (1, 1),
                  dict(K=K, V=V, BT=BT, INTERPRET=I, **_cfg("wu")), "fwd_wu"))
-    for use_h0 in (False, True):
-        for store_ht in (False, True):
-            out.append(R(kn.fwd_h_kernel, (bf, bf, bf, f32, i32, f32, bf, bf, f32, 1, 1), (1, 1),
-                         dict(K=K, V=V, BT=BT, BV=_bv("h", V), USE_H0=use_h0, STORE_HT=store_ht, INTERPRET=I,
-                              **_cfg("h")),
-                         f"fwd_h[h0={int(use_h0)},ht={int(store_ht)}]"))
+    for cname in ("h", "h_narrow"):
+        for use_h0 in (False, True):
+            for store_ht in (False, True):
+                out.append(R(kn.fwd_h_kernel, (bf, bf, bf, f32, i32, f32, bf, bf, f32, 1, 1), (1, 1),
+                             dict(K=K, V=V, BT=BT, BV=_bv(cname, V), USE_H0=use_h0, STORE_HT=store_ht, INTERPRET=I,
+                                  **_cfg(cname)),
+                             f"fwd_h[h0={int(use_h0)},ht={int(store_ht)}{',narrow' * (cname != 'h')}]"))
     out.append(R(kn.fwd_o_kernel, (bf, bf, bf, f32, bf, i32, i32, bf, 1.0, 1, 1), (1, 1),
                  dict(K=K, V=V, BT=BT, INTERPRET=I, **_cfg("o")), "fwd_o"))
     if not fuse:
         out.append(R(kn.bwd_dvl_kernel, (bf, bf, bf, f32, i32, i32, bf, 1.0, 1, 1), (1, 1),
                      dict(K=K, V=V, BT=BT, INTERPRET=I, **_cfg("dvl")), "bwd_dvl"))
     dvl_t = f32 if fuse else bf
-    for use_dht in (False, True):
-        for dh0 in (False, True):
-            out.append(R(kn.bwd_dh_kernel, (bf, bf, bf, bf, dvl_t, f32, i32, f32, f32, bf, bf, 1.0, 1, 1), (1, 1),
-                         dict(K=K, V=V, BT=BT, BV=_bv("dh", V), USE_DHT=use_dht, STORE_DH0=dh0, FUSE_DVL=fuse,
-                              INTERPRET=I, **_cfg("dh")),
-                         f"bwd_dh[dht={int(use_dht)},dh0={int(dh0)}]"))
-    phases = _dqkw_phases()
+    for cname in ("dh", "dh_narrow"):
+        for use_dht in (False, True):
+            for dh0 in (False, True):
+                out.append(R(kn.bwd_dh_kernel, (bf, bf, bf, bf, dvl_t, f32, i32, f32, f32, bf, bf, 1.0, 1, 1),
+                             (1, 1),
+                             dict(K=K, V=V, BT=BT, BV=_bv(cname, V), USE_DHT=use_dht, STORE_DH0=dh0, FUSE_DVL=fuse,
+                                  INTERPRET=I, **_cfg(cname)),
+                             f"bwd_dh[dht={int(use_dht)},dh0={int(dh0)}{',narrow' * (cname != 'dh')}]"))
+    launches, NP = _dqkw_launches(K)
     pdt = _pdt(bf)
-    for phase in phases:
+    kdt = pdt if configs.CFG["final"]["LOW_DK"] else f32
+    for phase, BK, slot0 in launches:
         out.append(R(kn.bwd_dqkw_kernel,
-                     (bf, bf, bf, bf, bf, f32, bf, bf, i32, i32, pdt, f32, bf, f32, 1.0, 1, 1), (1, 1),
-                     dict(K=K, V=V, BT=BT, BK=BK, PHASE=phase, NPART=len(phases), INTERPRET=I,
+                     (bf, bf, bf, bf, bf, f32, bf, bf, i32, i32, pdt, kdt, bf, f32, 1.0, 1, 1), (1, 1),
+                     dict(K=K, V=V, BT=BT, BK=BK, PHASE=phase, NPART=NP, SLOT0=slot0, INTERPRET=I,
                           **_dqkw_cfg(phase)),
                      f"bwd_dqkw[phase={phase}]"))
-    out.append(R(kn.bwd_wy_kernel, (bf, bf, f32, f32, bf, bf, bf, i32, i32, f32, pdt, f32, bf, f32, f32, 1, 1),
+    out.append(R(kn.bwd_wy_kernel, (bf, bf, f32, f32, bf, bf, bf, i32, i32, kdt, pdt, f32, bf, f32, f32, 1, 1),
                  (1, 1),
-                 dict(K=K, V=V, BT=BT, NK=K // BK * len(phases), VFIRST=_vfirst(), INTERPRET=I, **_cfg("wy")),
+                 dict(K=K, V=V, BT=BT, NK=NP, VFIRST=_vfirst(), INTERPRET=I, **_cfg("wy")),
                  "bwd_wy"))
     for l2 in (False, True):
         out.append(R(kn.bwd_final_kernel, (bf, pdt, bf, 1, 1, 1), (1, 1),
