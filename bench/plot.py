@@ -60,6 +60,10 @@ def markdown(path: Path) -> str:
     lines = [f"**{doc['bench']}** — {doc.get('gpu', '?')}, torch {doc.get('torch')}, triton {doc.get('triton')}, "
              f"{doc.get('date')} (`bench/results/{path.name}`)", "",
              f"| shape | impl | fwd ms | bwd ms | fwd {unit} | bwd {unit} |", "|---|---|---|---|---|---|"]
+    both = any("fwdbwd_ms" in r for r in rows)  # a forward + backward time of its own (gdn)
+    if both:
+        lines[-2] += " fwd+bwd ms |"
+        lines[-1] += "---|"
     if doc.get("timer_note"):
         lines.insert(1, doc["timer_note"])
     elif any("fwd_ms_synced" in r for r in rows):
@@ -72,7 +76,8 @@ def markdown(path: Path) -> str:
         lines.insert(1, "Times: one sync per call (`median_ms`).")
     for r in rows:
         lines.append(f"| {r['shape']} | {r['impl']} | {fmt(r.get('fwd_ms'), 3)} | {fmt(r.get('bwd_ms'), 3)} | "
-                     f"{fmt(r.get(f'fwd_{metric}'), 2)} | {fmt(r.get(f'bwd_{metric}'), 2)} |")
+                     f"{fmt(r.get(f'fwd_{metric}'), 2)} | {fmt(r.get(f'bwd_{metric}'), 2)} |"
+                     + (f" {fmt(r.get('fwdbwd_ms'), 3)} |" if both else ""))
     lines += ["", f"![{doc['bench']}](bench/plots/{path.stem}.png)", ""]
     return "\n".join(lines)
 
