@@ -90,6 +90,34 @@ def test_state_kernels_wide_and_narrow_tiles(narrow_below, monkeypatch):
             assert err < 5e-6, (name, err, errs)
 
 
+@pytest.mark.parametrize("bk, bk_dk, split", [(64, 32, True), (32, 64, True), (32, 32, True), (32, 32, False)])
+def test_dqkw_in_k_slices(bk, bk_dk, split, monkeypatch):
+    """The dq / dk / dw backward in K slices (each launch its own BK; the WY backward adds the partial dG slots in
+    order) matches the FP64 recurrence in fp32, split into two launches or not."""
+    configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
+    monkeypatch.setitem(configs.CFG, "dqkw", dict(configs.CFG["dqkw"], BK=bk, BK_dk=bk_dk, SPLIT=split))
+    launches, slots = ops._dqkw_launches(64)
+    assert slots == (64 // bk + 64 // bk_dk if split else 64 // bk) and slots > 1
+    errs = _fp32_case([15, 70, 50], 2, 4, 64, 32, True, True)
+    for name, err in errs.items():
+        assert err < 5e-6, (name, err, errs)
+
+
+def test_bf16_partial_sums_option(monkeypatch):
+    """LOW_PARTIALS (per-value-head dq, dk sums in bf16) and LOW_DK (also dqkw's dk part) stay within the budgets and
+    change the bits (so the option took effect)."""
+    configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
+    inp = demo_mod.make_inputs([15, 70, 50], 1, 2, 32, 32, "cpu", l2=True, seed=0)
+    ref = _reference(inp, l2=True)
+    base = _public(inp, l2=True)
+    for low_dk in (False, True):
+        monkeypatch.setitem(configs.CFG, "final", dict(configs.CFG["final"], LOW_PARTIALS=True, LOW_DK=low_dk))
+        got = _public(inp, l2=True)
+        for n in got:
+            check_budget(n, got[n], ref[n], BUDGETS_VARLEN[n])
+        assert not torch.equal(got["dk"], base["dk"])
+
+
 def _public(inp, *, l2, cu=True, final=True, h0=True):
     leaves = {n: inp[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
     if h0:

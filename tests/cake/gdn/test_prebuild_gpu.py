@@ -13,7 +13,20 @@ pytestmark = pytest.mark.gpu
 
 def every_route():
     """Calls that launch every route: with / without initial state, final state, dht, L2 norm; det and fast;
-    kept and recomputed states. Returns the det bits."""
+    kept and recomputed states; the state kernels' wide and narrow tiles. Returns the det bits."""
+    configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
+    narrow_below = configs.NARROW_BELOW
+    out = {}
+    try:
+        for tiles, below in (("wide", 0), ("narrow", 1 << 30)):  # 2 docs x 4 heads: narrow under the real threshold
+            configs.NARROW_BELOW = below
+            out.update({f"{tiles}/{k}": v for k, v in _calls().items()})
+    finally:
+        configs.NARROW_BELOW = narrow_below
+    return out
+
+
+def _calls():
     d = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
     from miles_ext_kernels.cake import gdn
 

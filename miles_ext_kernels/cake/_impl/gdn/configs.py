@@ -9,7 +9,8 @@ triton 3.6). BV / BK are capped at the head dims.
   fp32. Off: it measured ~0.12 ms faster at 16 x 2048 but raised the dq and dk errors by ~8 %.
   LOW_DK (with LOW_PARTIALS): also dq/dk/dw's dk part, read back by the WY backward.
 - h_narrow / dh_narrow: the sequential state kernels (one program per sequence, value head and BV block) switch to
-  these smaller BV tiles when the wide tiles would give fewer than NARROW_BELOW programs (few long documents, e.g.
+  these smaller BV tiles (when they are smaller at this V) where the wide tiles would give fewer than NARROW_BELOW
+  programs (few long documents, e.g.
   one 32k document: 32 programs on 132 SMs). The choice depends only on the number of sequences and heads (host
   shapes), so a call's bits still repeat.
 """

@@ -556,7 +556,7 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dko, dgp, dv, dbeta,
     out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
     b_dk += tl.load(dk + out_k, mask=m[:, None], other=0.).to(tl.float32)
     tl.store(dko + out_k, _rnd(b_dk, dko.dtype.element_ty, INTERPRET), mask=m[:, None])
-    for ik in tl.static_range(NK):  # the K slices' partial dG, in slice order
+    for ik in tl.static_range(NK):  # the dqkw launches. partial dG slots, in slot order (launch, then K slice)
         b_dg += tl.load(dgp + (rows * HV + hv) * NK + ik, mask=m, other=0.)
     b_dg = tl.where(m, b_dg, 0.)
     b_dg = tl.sum(b_dg, 0) - tl.cumsum(b_dg, axis=0) + b_dg

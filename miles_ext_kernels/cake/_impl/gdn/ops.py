@@ -46,7 +46,7 @@ def _state_cfg(name: str, V: int, seq_heads: int) -> tuple:
     """(config name, BV) of a sequential state kernel ("h": fwd_h, "dh": bwd_dh), which runs one program per
     (sequence, value head, BV block): the narrow config when the wide tiles would leave most SMs idle."""
     bv = _bv(name, V)
-    if seq_heads * (V // bv) < configs.NARROW_BELOW:
+    if seq_heads * (V // bv) < configs.NARROW_BELOW and _bv(name + "_narrow", V) < bv:
         name += "_narrow"
         bv = _bv(name, V)
     return name, bv
