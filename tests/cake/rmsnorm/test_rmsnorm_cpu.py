@@ -102,6 +102,19 @@ def test_in_launch_weight_gradient_sum(programs):
     assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
 
 
+@pytest.mark.parametrize("kahan", [True, False])
+def test_plain_and_compensated_weight_gradient_sums(kahan):
+    # KAHAN=False (the H 5120 table entry: a plain fp32 sum per program) on a two-tile row (320 = 256 + 64), so both
+    # column tiles' sums run; the result stays within the budgets and close to the compensated sum
+    x, w, dy = _inputs((150, 320), F32, seed=9)
+    y = ops.rmsnorm_fwd(x, w, 1e-6)
+    dx, dw = ops.rmsnorm_bwd(dy, x, w, 1e-6, True, cfg=(1, 4, 3, kahan), programs=4)
+    _check(x, w, dy, (y, dx, dw))
+    dx_k, dw_k = ops.rmsnorm_bwd(dy, x, w, 1e-6, True, cfg=(1, 4, 3, True), programs=4)
+    assert torch.equal(dx, dx_k)
+    assert (dw - dw_k).abs().max() <= 1e-5 * dw_k.abs().max()
+
+
 def test_zero_tokens():
     x, w, dy = _inputs((0, 128), F32)
     y, dx, dw = _run(x, w, dy)

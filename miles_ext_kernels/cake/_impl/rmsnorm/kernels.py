@@ -51,7 +51,8 @@ def _rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, part_ptr, cnt_ptr, dw_ptr,
     """Persistent: program p owns rows [p * rows_per_prog, (p + 1) * rows_per_prog). dx row by row (the loads of
     the next STAGES - 1 row blocks in flight, through shared memory); the weight gradient of its rows is summed in
     registers (Kahan-compensated when KAHAN; a plain fp32 sum otherwise, for tables with more programs, so fewer rows
-    per program, where the 40 registers of the compensation at H 5120 buy a second CTA per SM).
+    per program, where the compensation's registers (~20 per thread at H 5120, plus temporaries) buy a second CTA per
+    SM).
 
     det (`ATOMIC=False`): the program writes its sum as partial row p of `part_ptr` ([P + cdiv(P, GROUP), H] fp32)
     and `fixed_order_finish` reduces the partial rows in a fixed order inside this launch (the last program of each

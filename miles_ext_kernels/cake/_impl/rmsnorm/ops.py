@@ -86,7 +86,8 @@ GROUP = 16  # partial rows per group of the in-launch fixed-order weight-gradien
 
 # Exact widths whose registers allow another tile than their padded width's entry (checked before BWD_TABLE).
 # H 5120 without the Kahan compensation fits two 8-warp CTAs per SM: 0.280 vs 0.355 ms at 32k tokens on the H200,
-# dw error vs FP64 1.44e-7 vs 1.05e-7 (Liger's: 1.70e-7); at H 7168 / 8192 the plain sum was slower (bench/NOTES.md).
+# dw error vs FP64 at 8k tokens 1.44e-7 vs 1.05e-7 (Liger 1.70e-7 on another input; all from scratch sweeps recorded
+# in bench/NOTES.md, norms v4); at H 7168 / 8192 the plain sum was slower.
 BWD_BY_WIDTH: dict = {5120: (1, 8, 3, False, 2)}
 
 
