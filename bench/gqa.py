@@ -9,7 +9,6 @@ segment, bwd = 2.5 x fwd). Prints a table; writes bench/results/gqa.json.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path

@@ -67,8 +67,8 @@ def markdown(path: Path) -> str:
     if doc.get("timer_note"):
         lines.insert(1, doc["timer_note"])
     elif any("fwd_ms_synced" in r for r in rows):
-        lines.insert(1, "Times: calls queued back to back (`queued_ms`, host launch hidden as in a training step); the "
-                        "JSON also has `*_synced` (one sync per call).")
+        lines.insert(1, "Times: calls queued back to back (`queued_ms`: a launch's host work hides behind the previous "
+                        "kernel when it is shorter); the JSON also has `*_synced` (one sync per call).")
     elif any("fwd_ms_queued" in r for r in rows):
         lines.insert(1, "Times: one sync per call (`median_ms`, host launch time included); the JSON also has "
                         "`*_queued` (calls back to back).")
