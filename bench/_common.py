@@ -59,21 +59,29 @@ def median_ms(fn, warmup: int = 5, rep: int = 20, setup=None) -> float:
     return times[len(times) // 2]
 
 
-def queued_ms(fn, warmup: int = 5, rep: int = 30) -> float:
-    """Median per-call time with calls queued back to back (events around each call, one sync at the end), as in a
-    training step where the host runs ahead: host launch overhead is hidden when it is shorter than the kernel.
-    `median_ms` syncs after every call instead, so it also counts each launch's host time."""
+def _event_median(fn, warmup: int, rep: int, lead_cycles: int = 0) -> float:
+    """Median of `rep` CUDA-event pairs around `fn()`, queued back to back with one sync at the end; with
+    `lead_cycles` > 0 the GPU first spins that long before each start event (`torch.cuda._sleep`)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
     for start, end in events:
+        if lead_cycles:
+            torch.cuda._sleep(lead_cycles)
         start.record()
         fn()
         end.record()
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) for s, e in events)
     return times[len(times) // 2]
+
+
+def queued_ms(fn, warmup: int = 5, rep: int = 30) -> float:
+    """Median per-call time with calls queued back to back (events around each call, one sync at the end), as in a
+    training step where the host runs ahead: host launch overhead is hidden when it is shorter than the kernel.
+    `median_ms` syncs after every call instead, so it also counts each launch's host time."""
+    return _event_median(fn, warmup, rep)
 
 
 _SLEEP_CYCLES_PER_MS: dict = {}
@@ -100,19 +108,7 @@ def device_ms(fn, warmup: int = 5, rep: int = 30, lead_ms: float = 2.0) -> float
     What is measured is the kernels' time plus the gaps between them on the GPU: the time a training step sees
     when its host runs ahead of the GPU. `queued_ms` and `median_ms` also count host time the host cannot hide
     (short kernels behind a long Python launch path)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    cycles = int(lead_ms * _sleep_cycles_per_ms())
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
-    for start, end in events:
-        torch.cuda._sleep(cycles)
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in events)
-    return times[len(times) // 2]
+    return _event_median(fn, warmup, rep, max(1, int(lead_ms * _sleep_cycles_per_ms())))
 
 
 def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Path:
