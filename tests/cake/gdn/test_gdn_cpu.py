@@ -256,3 +256,24 @@ def test_check_seqlens_option_checks_on_the_host(monkeypatch):
     finally:
         mek.configure()
     assert seen == [("cu_seqlens", 8, {"must_end_at_total": True})]
+
+
+@pytest.mark.parametrize("lens", [[1], [64], [65, 0, 130], [0, 0, 15], [63, 64, 1, 300, 0, 7, 128, 129], [5] * 33])
+def test_chunk_table_kernel(lens):
+    """The chunk-slot table (one launch, vectorised binary search) names the right (sequence, chunk) for every used
+    slot and -1 for every unused one, with empty sequences and sequences of exactly one chunk."""
+    BT = ops.BT
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    N, T = len(lens), int(cu[-1])
+    P = (T + BT - 1) // BT + N
+    got = ops._chunk_table(cu, N, P)
+    want = torch.full((P,), -1, dtype=torch.int32)
+    want_ic = torch.zeros(P, dtype=torch.int32)
+    for n, L in enumerate(lens):
+        s = int(cu[n]) // BT + n
+        for c in range((L + BT - 1) // BT):
+            want[s + c], want_ic[s + c] = n, c
+    assert torch.equal(got[:, 0], want)
+    used = want >= 0
+    assert torch.equal(got[used, 1], want_ic[used])
+    assert int(used.sum()) == sum((L + BT - 1) // BT for L in lens)

@@ -57,16 +57,49 @@ def _dot32(a, b):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _l2norm_rows(x, y, off, m, INTERPRET: tl.constexpr):
+    b = tl.load(x + off, mask=m[:, None], other=0.).to(tl.float32)
+    rstd = 1. / tl.sqrt(tl.sum(b * b, 1) + 1e-6)
+    tl.store(y + off, _rnd((b * rstd[:, None]), y.dtype.element_ty, INTERPRET), mask=m[:, None])
+
+
 @triton.jit(do_not_specialize=["R"])
-def l2norm_fwd_kernel(x, y, R, K: tl.constexpr, BR: tl.constexpr, INTERPRET: tl.constexpr):
-    """y = x / sqrt(sum(x^2) + 1e-6) per row of K."""
+def l2norm_fwd_kernel(x, y, x2, y2, R, K: tl.constexpr, BR: tl.constexpr, INTERPRET: tl.constexpr):
+    """y = x / sqrt(sum(x^2) + 1e-6) per row of K; program axis 1 picks (x, y) or (x2, y2) (q and k in one launch)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     m = rows < R
     o_k = tl.arange(0, K)
     off = rows.to(tl.int64)[:, None] * K + o_k[None, :]
-    b = tl.load(x + off, mask=m[:, None], other=0.).to(tl.float32)
-    rstd = 1. / tl.sqrt(tl.sum(b * b, 1) + 1e-6)
-    tl.store(y + off, _rnd((b * rstd[:, None]), y.dtype.element_ty, INTERPRET), mask=m[:, None])
+    if tl.program_id(1) == 0:
+        _l2norm_rows(x, y, off, m, INTERPRET)
+    else:
+        _l2norm_rows(x2, y2, off, m, INTERPRET)
+
+
+@triton.jit(do_not_specialize=["N", "P", "steps"])
+def chunk_table_kernel(cu, table, N, P, steps, BT: tl.constexpr, BP: tl.constexpr):
+    """table[p] = (sequence n, chunk index) of chunk slot p, or (-1, _) for an unused slot. Sequence n owns the slots
+    from start[n] = cu[n] // BT + n on (a bound that needs no device->host sync); a vectorised binary search finds
+    the last n with start[n] <= p (`steps` >= log2(N + 1) halvings)."""
+    ids = tl.program_id(0) * BP + tl.arange(0, BP)
+    lo = tl.zeros([BP], dtype=tl.int32)
+    hi = tl.zeros([BP], dtype=tl.int32) + N
+    for _ in range(0, steps):
+        go = lo < hi
+        mid = (lo + hi) // 2
+        start = tl.load(cu + mid, mask=go, other=0) // BT + mid
+        up = go & (start <= ids)
+        lo = tl.where(up, mid + 1, lo)
+        hi = tl.where(go & (start > ids), mid, hi)
+    n = tl.maximum(lo - 1, 0)
+    c0 = tl.load(cu + n)
+    ic = ids - (c0 // BT + n)
+    nch = (tl.load(cu + n + 1) - c0 + BT - 1) // BT
+    n = tl.where(ic < nch, n, -1)
+    m = ids < P
+    tl.store(table + 2 * ids, n, mask=m)
+    tl.store(table + 2 * ids + 1, ic, mask=m)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ IN_DTYPES = (torch.bfloat16,)
 GATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _STAGES = 2  # default (the chunk kernels have no pipelined loop)
+_TABLE_BP = 128  # chunk slots per program of the chunk-table kernel
 
 
 def _cfg(name: str) -> dict:
@@ -180,16 +181,12 @@ def _empty0(device, dtype=torch.float32):
 
 
 def _chunk_table(cu: torch.Tensor, N: int, P: int) -> torch.Tensor:
-    """[P, 2] int32: slot -> (sequence, chunk index), sequence -1 for unused slots. Device ops only (no sync)."""
-    cu = cu.to(torch.int64)
-    ar = torch.arange(N, device=cu.device, dtype=torch.int64)
-    start = torch.div(cu[:-1], BT, rounding_mode="floor") + ar
-    nch = torch.div(cu[1:] - cu[:-1] + BT - 1, BT, rounding_mode="floor")
-    ids = torch.arange(P, device=cu.device, dtype=torch.int64)
-    n = (torch.searchsorted(start, ids, right=True) - 1).clamp_(min=0)
-    ic = ids - start[n]
-    n = torch.where(ic < nch[n], n, torch.full_like(n, -1))
-    return torch.stack([n, ic], 1).to(torch.int32).contiguous()
+    """[P, 2] int32: slot -> (sequence, chunk index), sequence -1 for unused slots. One launch, no sync (a launch
+    instead of a dozen torch ops: the forward's first long kernel waits on it, so its host time is exposed)."""
+    table = torch.empty(P, 2, dtype=torch.int32, device=cu.device)
+    BP = _TABLE_BP
+    kn.chunk_table_kernel[((P + BP - 1) // BP,)](cu, table, N, P, N.bit_length(), BT=BT, BP=BP, num_warps=4)
+    return table
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -218,13 +215,15 @@ def _wu(kk, v, beta, gc, A, cu, table, H, HV, K, V, P, device, dt, ws: bool):
     return w, u
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    K = x.shape[-1]
-    y = torch.empty_like(x)
-    R = x.numel() // K
+def _l2norm(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """q, k L2-normalised per row of K, in one launch."""
+    K = q.shape[-1]
+    qn, kn_ = torch.empty_like(q), torch.empty_like(k)
+    R = q.numel() // K
     BR = _rows("l2norm")
-    kn.l2norm_fwd_kernel[(build.cdiv(R, BR),)](x, y, R, K=K, BR=BR, INTERPRET=build.INTERPRET, **_cfg("l2norm"))
-    return y
+    kn.l2norm_fwd_kernel[((R + BR - 1) // BR, 2)](q, qn, k, kn_, R, K=K, BR=BR, INTERPRET=build.INTERPRET,
+                                                  **_cfg("l2norm"))
+    return qn, kn_
 
 
 @build.on_input_device
@@ -246,7 +245,7 @@ def gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final
     bf = _c(beta.to(torch.float32))
     h0 = _c(initial_state.to(torch.float32)) if initial_state is not None else None
     if use_l2:
-        qn, kk = _l2norm(q), _l2norm(k)
+        qn, kk = _l2norm(q, k)
     else:
         qn, kk = q, k
     gc = torch.empty(Tt, HV, dtype=torch.float32, device=device)
@@ -445,9 +444,10 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
     I = build.INTERPRET  # noqa: E741
     fuse = _fuse_dvl()
     R = build.Route
-    out = []
+    out = [R(kn.chunk_table_kernel, (i32, i32, 1, 1, 1), (1,), dict(BT=BT, BP=_TABLE_BP, num_warps=4),
+             "chunk_table")]
     for X, name in ((K, "k"),):
-        out.append(R(kn.l2norm_fwd_kernel, (bf, bf, 1), (1,),
+        out.append(R(kn.l2norm_fwd_kernel, (bf, bf, bf, bf, 1), (1,),
                      dict(K=X, BR=_rows("l2norm"), INTERPRET=I, **_cfg("l2norm")), f"l2norm_fwd[{name}]"))
     out.append(R(kn.fwd_prep_kernel, (bf, f32, f32, i32, i32, f32, bf, 1, 1), (1, 1),
                  dict(K=K, BT=BT, INTERPRET=I, **_cfg("prep")), "fwd_prep"))
