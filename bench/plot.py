@@ -61,9 +61,10 @@ def markdown(path: Path) -> str:
              f"{doc.get('date')} (`bench/results/{path.name}`)", "",
              f"| shape | impl | fwd ms | bwd ms | fwd {unit} | bwd {unit} |", "|---|---|---|---|---|---|"]
     both = any("fwdbwd_ms" in r for r in rows)  # a forward + backward time of its own (gdn)
+    both_dev = any("fwdbwd_device_ms" in r for r in rows)  # ... also in device time
     if both:
-        lines[-2] += " fwd+bwd ms |"
-        lines[-1] += "---|"
+        lines[-2] += " fwd+bwd ms |" + (" fwd+bwd device ms |" if both_dev else "")
+        lines[-1] += "---|" + ("---|" if both_dev else "")
     if doc.get("timer_note"):
         lines.insert(1, doc["timer_note"])
     elif any("fwd_ms_synced" in r for r in rows):
@@ -72,12 +73,16 @@ def markdown(path: Path) -> str:
     elif any("fwd_ms_queued" in r for r in rows):
         lines.insert(1, "Times: one sync per call (`median_ms`, host launch time included); the JSON also has "
                         "`*_queued` (calls back to back).")
+    elif both_dev:
+        lines.insert(1, "Times: one sync per call (`median_ms`); the last column is forward + backward in device time "
+                        "(`device_ms`: the host's launch work hidden behind a GPU spin).")
     else:
         lines.insert(1, "Times: one sync per call (`median_ms`).")
     for r in rows:
         lines.append(f"| {r['shape']} | {r['impl']} | {fmt(r.get('fwd_ms'), 3)} | {fmt(r.get('bwd_ms'), 3)} | "
                      f"{fmt(r.get(f'fwd_{metric}'), 2)} | {fmt(r.get(f'bwd_{metric}'), 2)} |"
-                     + (f" {fmt(r.get('fwdbwd_ms'), 3)} |" if both else ""))
+                     + (f" {fmt(r.get('fwdbwd_ms'), 3)} |" if both else "")
+                     + (f" {fmt(r.get('fwdbwd_device_ms'), 3)} |" if both_dev else ""))
     lines += ["", f"![{doc['bench']}](bench/plots/{path.stem}.png)", ""]
     return "\n".join(lines)
 
