@@ -16,6 +16,14 @@ from ..._runtime.build import INTERPRET, INTERPRETER_ARCH, cdiv, check_device, d
 from ...gqa import HEAD_DIM  # the declaration owns the served head dim
 from . import kernels as K
 
+try:  # the sm_90a forward; Gluon has no interpreter, so CPU runs use the Triton forward
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+
+    from . import gluon_fwd as G
+except ImportError:  # a triton without Gluon: the Triton forward everywhere
+    G = None
+
 OP_NAME = "gqa"
 DEFAULT_SCALE = HEAD_DIM ** -0.5
 
@@ -25,6 +33,9 @@ CONFIGS = {
     "sm_90a": {
         # DIAG_ONLY: the causal mask is computed only for key blocks on the diagonal (a branch, not a second loop)
         "fwd": dict(BM=128, BN=64, num_warps=8, num_stages=2, DIAG_ONLY=True),
+        # the Gluon forward (gluon_fwd.py: TMA, asynchronous wgmma, TMA-store epilogue) with the same BM, BN and
+        # the same bits; operands whose heads are not contiguous within a row take the Triton forward above
+        "fwd_gluon": dict(BM=128, BN=64, num_warps=8),
         "dq": dict(BM=128, BN=64, num_warps=8, num_stages=1),
         # S = Q K^T with 128 query rows as M: both warpgroups share the work (a 64-row M replicates it)
         # PAIR "auto": programs take key tiles i and n-1-i of a segment where a model of the schedule says it
@@ -150,6 +161,22 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     sqt, sqh = _strides(q)
     skt, skh = _strides(k)
     svt, svh = _strides(v)
+    cg = cfg.get("fwd_gluon")
+    # (a TMA descriptor needs at least one row: no queries or no keys at all take the Triton forward)
+    if cg is not None and G is not None and not INTERPRET and T_q > 0 and k.shape[0] > 0 and sqh == skh == svh == D:
+        assert cg["BM"] == c["BM"]  # the tile prefix above counts tiles of BM rows
+        lq = _gl.NVMMASharedLayout.get_default_for([cg["BM"], D], _gl.bfloat16)
+        lk = _gl.NVMMASharedLayout.get_default_for([cg["BN"], D], _gl.bfloat16)
+
+        def desc(t, rows, st, layout):  # [tokens, heads * D] with the heads of a token contiguous
+            return _GluonDescriptor(t, [t.shape[0], t.shape[1] * D], [st, 1], [rows, D], layout)
+
+        G.fwd_kernel[(upper * H_q,)](
+            desc(q, cg["BM"], sqt, lq), desc(k, cg["BN"], skt, lk), desc(v, cg["BN"], svt, lk),
+            desc(out, cg["BM"], out.stride(0), lq), out, lse, cu_q, cu_k, ts,
+            float(scale), T_q, B, B.bit_length(), H_q, H_q // H_kv, out.stride(0), out.stride(1),
+            D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"])
+        return out, lse
     K._fwd_kernel[(upper * H_q,)](
         q, k, v, out, lse, cu_q, cu_k, ts,
         float(scale), T_q, B, B.bit_length(), H_q, H_q // H_kv,
@@ -259,6 +286,17 @@ def routes(**model_params):
     out.append(Route(K._fwd_kernel, (bf, bf, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n) + (st, sh) * 4,
                      (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "DIAG_ONLY": c.get("DIAG_ONLY", False),
                             "INTERPRET": False, **launch(c)}, "fwd"))
+    cg = cfg.get("fwd_gluon")
+    if cg is not None and G is not None:
+        # descriptors on meta tensors stand in for the real ones (specialized on dtype, block shape and layout)
+        def desc(rows):
+            layout = _gl.NVMMASharedLayout.get_default_for([rows, HEAD_DIM], _gl.bfloat16)
+            return _GluonDescriptor(torch.empty(rows, HEAD_DIM, dtype=bf, device="meta"), [rows, HEAD_DIM],
+                                    [HEAD_DIM, 1], [rows, HEAD_DIM], layout)
+        dq_, dk_ = desc(cg["BM"]), desc(cg["BN"])
+        out.append(Route(G.fwd_kernel, (dq_, dk_, dk_, dq_, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n, st, sh),
+                         (1,), {"D": HEAD_DIM, "BM": cg["BM"], "BN": cg["BN"], "num_warps": cg["num_warps"]},
+                         "fwd_gluon"))
     if FAST_FUSED_DQ[arch]:
         c = cfg["delta"]
         out.append(Route(K._bwd_delta_kernel, (bf, bf, f32, n, n) + (st, sh) * 2, (1,),
