@@ -129,6 +129,13 @@ def _strides(t: torch.Tensor):
     return (t.stride(0) if T > 1 else H * HEAD_DIM), (t.stride(1) if H > 1 else HEAD_DIM)
 
 
+@functools.lru_cache(maxsize=8)
+def _tile_layout(rows: int):
+    """Shared-memory layout of a [rows, HEAD_DIM] bf16 TMA tile (cached: the forward's host path is exposed on small
+    calls)."""
+    return _gl.NVMMASharedLayout.get_default_for([rows, HEAD_DIM], _gl.bfloat16)
+
+
 def _cu_ready(cu: torch.Tensor) -> torch.Tensor:
     return cu.clone() if cu.data_ptr() % 16 else cu
 
@@ -165,8 +172,7 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     # (a TMA descriptor needs at least one row: no queries or no keys at all take the Triton forward)
     if cg is not None and G is not None and not INTERPRET and T_q > 0 and k.shape[0] > 0 and sqh == skh == svh == D:
         assert cg["BM"] == c["BM"]  # the tile prefix above counts tiles of BM rows
-        lq = _gl.NVMMASharedLayout.get_default_for([cg["BM"], D], _gl.bfloat16)
-        lk = _gl.NVMMASharedLayout.get_default_for([cg["BN"], D], _gl.bfloat16)
+        lq, lk = _tile_layout(cg["BM"]), _tile_layout(cg["BN"])
 
         def desc(t, rows, st, layout):  # [tokens, heads * D] with the heads of a token contiguous
             return _GluonDescriptor(t, [t.shape[0], t.shape[1] * D], [st, 1], [rows, D], layout)
@@ -290,9 +296,8 @@ def routes(**model_params):
     if cg is not None and G is not None:
         # descriptors on meta tensors stand in for the real ones (specialized on dtype, block shape and layout)
         def desc(rows):
-            layout = _gl.NVMMASharedLayout.get_default_for([rows, HEAD_DIM], _gl.bfloat16)
             return _GluonDescriptor(torch.empty(rows, HEAD_DIM, dtype=bf, device="meta"), [rows, HEAD_DIM],
-                                    [HEAD_DIM, 1], [rows, HEAD_DIM], layout)
+                                    [HEAD_DIM, 1], [rows, HEAD_DIM], _tile_layout(rows))
         dq_, dk_ = desc(cg["BM"]), desc(cg["BN"])
         out.append(Route(G.fwd_kernel, (dq_, dk_, dk_, dq_, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n, st, sh),
                          (1,), {"D": HEAD_DIM, "BM": cg["BM"], "BN": cg["BN"], "num_warps": cg["num_warps"]},
