@@ -21,28 +21,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from . import kernels as K
+
 _RUNTIME = ["sm_scale", "T_q", "n_seg", "n_iter", "H_q", "group"]  # never specialized (a finite set of routes)
-
-
-@gluon.jit
-def _find_tile(TS, CU_A, CU_B, t, n_seg, n_iter):
-    """Segment s with TS[s] <= t < TS[s+1]; the tile's index within it, last tile first (the heaviest causal query
-    tile); the segment's start and length in CU_A and CU_B (as `kernels._find_tile` with REVERSE)."""
-    lo = t * 0
-    hi = lo + n_seg
-    for _ in range(n_iter):
-        mid = (lo + hi) // 2
-        go = gl.load(TS + mid) <= t
-        lo = gl.where(go, mid, lo)
-        hi = gl.where(go, hi, mid)
-    first = gl.load(TS + lo)
-    n_tiles = gl.load(TS + lo + 1) - first
-    local = n_tiles - 1 - (t - first)
-    a0 = gl.load(CU_A + lo)
-    la = gl.load(CU_A + lo + 1) - a0
-    b0 = gl.load(CU_B + lo)
-    lb = gl.load(CU_B + lo + 1) - b0
-    return local, a0, la, b0, lb
 
 
 @gluon.jit
@@ -96,7 +77,7 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale,
         gl.store(LSE + h.to(gl.int64) * T_q + z_rows,
                  gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, row_layout)), mask=z_ok)
     else:
-        local, q0, L_q, k0, L_k = _find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter)
+        local, q0, L_q, k0, L_k = K._find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)  # scalar code, shared
         m0 = local * BM
         offset = L_k - L_q
         qk_scale = sm_scale * 1.4426950408889634
