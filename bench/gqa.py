@@ -2,7 +2,9 @@
 
 Peers: torch's FlashAttention-2 varlen ops, FlexAttention with a document-causal block mask (skip with --no-flex),
 cuDNN SDPA on equal-length dense batches. TFLOP/s by the FlashAttention convention (causal fwd = 2 L^2 H D per
-segment, bwd = 2.5 x fwd). Prints a table; writes bench/results/gqa.json.
+segment, bwd = 2.5 x fwd). Times: `median_ms` (one sync per call, the host's launch path included); the forward also
+in device time (`device_ms`: the host's work hidden behind a GPU spin) for us, FA2 and cuDNN. Prints a table; writes
+bench/results/gqa.json.
 
     python bench/gqa.py [--no-flex] [--only NAME] [--tune]
 """
