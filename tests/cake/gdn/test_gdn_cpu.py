@@ -258,7 +258,8 @@ def test_check_seqlens_option_checks_on_the_host(monkeypatch):
     assert seen == [("cu_seqlens", 8, {"must_end_at_total": True})]
 
 
-@pytest.mark.parametrize("lens", [[1], [64], [65, 0, 130], [0, 0, 15], [63, 64, 1, 300, 0, 7, 128, 129], [5] * 33])
+@pytest.mark.parametrize("lens", [[1], [64], [65, 0, 130], [0, 0, 15], [63, 64, 1, 300, 0, 7, 128, 129], [5] * 33,
+                                  [64] * 200 + [1, 0, 65]])  # the last: 404 slots, four programs
 def test_chunk_table_kernel(lens):
     """The chunk-slot table (one launch, vectorised binary search) names the right (sequence, chunk) for every used
     slot and -1 for every unused one, with empty sequences and sequences of exactly one chunk."""

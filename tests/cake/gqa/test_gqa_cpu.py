@@ -312,3 +312,18 @@ def test_paired_key_tiles_same_bits(monkeypatch):
     # -7.5 % dK/dV), 16 over 2 and 24 over 4 do not (measured +1 % and +7 % paired)
     assert ops._pair_helps(16, 2048, 1, 3, 132, 64, 128)
     assert not ops._pair_helps(16, 2048, 2, 8, 132, 64, 128) and not ops._pair_helps(16, 2048, 4, 6, 132, 64, 128)
+
+
+def test_gluon_forward_route_condition():
+    """Which operands the sm_90a Gluon forward takes (shapes and strides only; the kernel itself runs on the GPU):
+    contiguous and packed-QKV views yes; a head stride other than D, an expanded (token stride 0) k, or no tokens no."""
+    D = 256
+    q, k = torch.zeros(10, 4, D), torch.zeros(12, 2, D)
+    assert ops._gluon_fwd_fits(q, k, k)
+    qkv = torch.zeros(10, 4 + 2 * 2, D)
+    assert ops._gluon_fwd_fits(qkv[:, :4], qkv[:, 4:6], qkv[:, 6:])
+    assert not ops._gluon_fwd_fits(torch.zeros(10, 4, 2 * D)[:, :, :D], k, k)
+    assert not ops._gluon_fwd_fits(q, torch.zeros(1, 2, D).expand(12, 2, D), k)
+    assert not ops._gluon_fwd_fits(torch.zeros(0, 4, D), k, k)
+    assert not ops._gluon_fwd_fits(q, torch.zeros(0, 2, D), torch.zeros(0, 2, D))
+    assert ops._gluon_fwd_fits(torch.zeros(1, 4, D), k, k)  # one token: its token stride is not used

@@ -213,6 +213,7 @@ def test_gluon_forward_matches_triton_forward_bits():
     q[sum(lens_q):] = float("nan")
     k[sum(lens_k):] = float("nan")
     v[sum(lens_k):] = float("nan")
+    assert ops.G is not None and ops._gluon_fwd_fits(q, k, v)  # the Gluon route is the one under test
     gl_out, gl_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE)
     triton_cfg = {key: val for key, val in ops.CONFIGS["sm_90a"].items() if key != "fwd_gluon"}
     tr_out, tr_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE, cfg=triton_cfg)
@@ -221,6 +222,7 @@ def test_gluon_forward_matches_triton_forward_bits():
     # a head stride other than D: the Triton route, same bits
     wide = torch.zeros(q.shape[0], q.shape[1], 2 * D, dtype=BF, device="cuda")
     wide[:, :, :D] = q
+    assert not ops._gluon_fwd_fits(wide[:, :, :D], k, v)
     st_out, st_lse = ops.gqa_forward(wide[:, :, :D], k, v, cq, ck, SCALE)
     assert torch.equal(st_out, gl_out) and torch.equal(st_lse, gl_lse)
     ref_out, ref_lse = reference.varlen_gqa_reference(q, k, v, cq, ck, SCALE)

@@ -4,8 +4,8 @@ with the data movement and the matmul waits under explicit control, which the Tr
 One program = one 128-row query tile of one segment and one query head (tiles start at segment starts, heaviest
 first: `kernels._tile_prefix_kernel` numbers them), 8 warps = 2 warpgroups of 64 rows:
 - Q, K and V tiles arrive by TMA into shared memory (K and V in two stages each, with one mbarrier per stage and per
-  operand: S_{j+1} = Q K_{j+1}^T waits only for K, and K_{j+3} is requested as soon as S_{j+1} has read its stage,
-  two blocks ahead of use; V_{j+2} as soon as P_j V_j has read its stage).
+  operand: S_{j+1} = Q K_{j+1}^T waits only for K; K_{j+3} is requested as soon as S_{j+1} has read its stage, two
+  blocks ahead of use; V_{j+2} as soon as P_j V_j has read its stage, about one block ahead).
 - Each iteration issues S_{j+1} and O += P_j V_j as asynchronous wgmma, waits for S_{j+1} only, runs the softmax of
   block j+1 while P_j V_j is still on the tensor cores, then waits for it and rescales O.
 - The output tile is staged in Q's shared memory (free after the last S) and written by one TMA store; a segment's
@@ -13,8 +13,9 @@ first: `kernels._tile_prefix_kernel` numbers them), 8 warps = 2 warpgroups of 64
 - Rows past a segment's keys are loaded by TMA (they belong to the next segment, or are padding past the end):
   the causal / length mask sets their scores to -inf, and V rows past the segment are zeroed in shared memory
   before P V, since 0 * (NaN or inf padding) would not be 0.
-Requires heads contiguous within a token row (head stride = head dim) and 16-byte aligned rows; ops.py falls back to
-the Triton kernel otherwise. Gluon has no interpreter: CPU tests run the Triton kernel.
+Requires at least one query and one key, heads contiguous within a token row (head stride = head dim) and rows that do
+not overlap (`ops._gluon_fwd_fits`); other operands take the Triton kernel (16-byte alignment is ensured for both
+routes by `ops._ready`, which copies misaligned operands). Gluon has no interpreter: CPU tests run the Triton kernel.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -129,6 +129,18 @@ def _strides(t: torch.Tensor):
     return (t.stride(0) if T > 1 else H * HEAD_DIM), (t.stride(1) if H > 1 else HEAD_DIM)
 
 
+def _gluon_fwd_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the Gluon forward can read q, k, v as [tokens, heads * D] TMA tensors: at least one token (a
+    descriptor has no empty dims), the heads of a token contiguous (head stride D) and rows that do not overlap
+    (token stride >= heads * D: not an expanded or overlapping view). Other operands take the Triton forward."""
+    for t in (q, k, v):
+        T, H, _ = t.shape
+        st, sh = _strides(t)
+        if T == 0 or sh != HEAD_DIM or st < H * HEAD_DIM:
+            return False
+    return True
+
+
 @functools.lru_cache(maxsize=8)
 def _tile_layout(rows: int):
     """Shared-memory layout of a [rows, HEAD_DIM] bf16 TMA tile (cached: the forward's host path is exposed on small
@@ -169,8 +181,7 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     skt, skh = _strides(k)
     svt, svh = _strides(v)
     cg = cfg.get("fwd_gluon")
-    # (a TMA descriptor needs at least one row: no queries or no keys at all take the Triton forward)
-    if cg is not None and G is not None and not INTERPRET and T_q > 0 and k.shape[0] > 0 and sqh == skh == svh == D:
+    if cg is not None and G is not None and not INTERPRET and _gluon_fwd_fits(q, k, v):
         assert cg["BM"] == c["BM"]  # the tile prefix above counts tiles of BM rows
         lq, lk = _tile_layout(cg["BM"]), _tile_layout(cg["BN"])
 
