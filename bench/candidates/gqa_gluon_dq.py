@@ -8,10 +8,11 @@ BN 64 keys, 8 warps), the same arithmetic order (so, if it holds on the GPU, the
   V_{j+1} requested once dP_j has read V; dQ += dS K_j, then K_{j+2} requested once it has read K_j's stage.
 - K and V rows past a segment's keys are zeroed in shared memory: dQ += dS K contracts over keys, so a NaN or inf
   in padding rows would reach real rows through 0 * NaN (the forward only needs V zeroed).
-To land it: move it to `_impl/gqa/`, route to it from `ops.gqa_backward` under the forward's `_gluon_fwd_fits`
-condition (plus dO and O), add a prebuild route, and a GPU test that it gives the Triton dQ kernel's dQ and delta
-bits (padding with NaN, empty segments, L_k < L_q, partial tiles), then time it in bench/gqa.py against the 2.0 ms
-of the Triton dQ pass at 16 x 2048 Hq16/Hkv2 (H200, session 4).
+To land it: move it to `_impl/gqa/`; share its padding-rows block with `gluon_fwd.fwd_kernel` (a helper); route to
+it from `ops.gqa_backward` under the forward's `_gluon_fwd_fits` condition (plus dO and O); add a prebuild route and
+a GPU test that it gives the Triton dQ kernel's dQ and delta bits (padding with NaN, empty segments, L_k < L_q,
+partial tiles); then time it in bench/gqa.py against the 2.0 ms of the Triton dQ pass at 16 x 2048 Hq16/Hkv2
+(H200, session 4).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
