@@ -4,7 +4,6 @@ triton 3.6). BV / BK are capped at the head dims.
 - dh FUSE_DVL: the state backward computes the in-chunk dv itself (no bwd_dvl launch).
 - dqkw BK < K: dq / dk / dw in K slices (the WY backward adds their partial dG in slice order); SPLIT: dq, dw and
   dk in two launches (fewer live tiles each; num_warps_dk, BK_dk are the dk launch's).
-- wy VFIRST: the WY backward's work ordered for short live ranges.
 - final LOW_PARTIALS: the per-value-head dq, dk sums kept in bf16 (half the bytes, one more rounding) instead of
   fp32. Off: it measured ~0.12 ms faster at 16 x 2048 but raised the dq and dk errors by ~8 %.
   LOW_DK (with LOW_PARTIALS): also dq/dk/dw's dk part, read back by the WY backward.
@@ -26,7 +25,7 @@ CFG = {
     "dh": dict(num_warps=8, num_stages=1, BV=128, FUSE_DVL=False),
     "dh_narrow": dict(num_warps=4, num_stages=2, BV=32),
     "dqkw": dict(num_warps=4, BK=128, SPLIT=True, num_warps_dk=4, BK_dk=128),
-    "wy": dict(num_warps=4, VFIRST=True),
+    "wy": dict(num_warps=4),
     "final": dict(num_warps=4, BR=16, LOW_PARTIALS=False, LOW_DK=False),
 }
 NARROW_BELOW = 128  # programs of the wide state tiles under which h_narrow / dh_narrow are used

@@ -497,11 +497,11 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
 
 @triton.jit(do_not_specialize=["H", "HV"])
 def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dko, dgp, dv, dbeta, dg, H, HV, K: tl.constexpr,
-                  V: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr, VFIRST: tl.constexpr, INTERPRET: tl.constexpr):
+                  V: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr, INTERPRET: tl.constexpr):
     """Backward through w = A X, u = A Y and A = (I + L)^-1; finishes dk, dv, dbeta and dg (reverse cumsum).
-    dko = dk + this kernel's dk (dko may be dk). dgp holds NK partial dG sums per row (added in order). VFIRST
-    orders the work for short live ranges: the v side (dv, its dbeta and dA terms), then dA's k term, the dL terms,
-    and the A^T dw terms last."""
+    dko = dk + this kernel's dk (dko may be dk). dgp holds NK partial dG sums per row (added in order). The work is
+    ordered for short live ranges: the v side (dv, its dbeta and dA terms), then dA's k term, the dL terms, and the
+    A^T dw terms last (measured faster than the plain order: 1.34 vs 1.52 ms at 16 x 2048 on the H200)."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.load(table + 2 * p)
@@ -526,65 +526,34 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dko, dgp, dv, dbeta,
     eg = tl.exp(b_gc)
     bx = b_b * eg
     msk = o_t[:, None] > o_t[None, :]
-    if VFIRST:
-        # A^T, Y^T, X^T, k^T are transposes of loaded (not matmul-produced) tiles: safe on triton 3.6 Hopper
-        b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
-        b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
-        b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
-        b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
-        b_dy = _dot(b_at, b_dd, INTERPRET)
-        tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])
-        b_db = tl.sum(b_dy * b_v, 1)
-        b_da = _dot(b_dd, tl.trans(b_y), INTERPRET)  # dA [i, j], v term
-        b_kd = tl.load(k + k_off, mask=m[:, None], other=0.)
-        b_x = _rnd((b_kd.to(tl.float32) * bx[:, None]), DT, INTERPRET)
-        b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
-        b_da += _dot(b_dw, tl.trans(b_x), INTERPRET)
-        b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)
-        b_dec = tl.where(msk, tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-        b_kk = _dot(b_kd, tl.trans(b_kd), INTERPRET)
-        b_dld = b_dl * b_dec
-        b_db += tl.sum(b_dld * b_kk, 1)
-        b_e = b_dld * b_kk * b_b[:, None]
-        b_dg = tl.sum(b_e, 1) - tl.sum(b_e, 0)
-        b_mm = _rnd((b_dld * b_b[:, None]), DT, INTERPRET)
-        # M^T k = (k^T M)^T: the transposed product only feeds an add, never another matmul
-        b_dk = _dot(b_mm, b_kd, INTERPRET) + tl.trans(_dot(tl.trans(b_kd), b_mm, INTERPRET))
-        b_dx = _dot(b_at, b_dw, INTERPRET)
-        b_kf = b_kd.to(tl.float32)
-        b_db += tl.sum(b_dx * b_kf * eg[:, None], 1)
-        b_dg += tl.sum(b_dx * b_kf * bx[:, None], 1)
-        b_dk += b_dx * bx[:, None]
-    else:
-        b_kd = tl.load(k + k_off, mask=m[:, None], other=0.)
-        b_k = b_kd.to(tl.float32)
-        b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
-        b_xf = b_k * bx[:, None]
-        b_x = _rnd(b_xf, DT, INTERPRET)
-        b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
-        # A^T, X^T, Y^T, k^T are transposes of loaded (not matmul-produced) tiles: safe on triton 3.6 Hopper
-        b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
-        b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
-        b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
-
-        b_dx = _dot(b_at, b_dw, INTERPRET)
-        b_dy = _dot(b_at, b_dd, INTERPRET)
-        tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])
-        b_db = tl.sum(b_dx * b_k * eg[:, None], 1) + tl.sum(b_dy * b_v, 1)
-        b_dk = b_dx * bx[:, None]
-        b_dg = tl.sum(b_dx * b_xf, 1)
-
-        b_da = _dot(b_dw, tl.trans(b_x), INTERPRET) + _dot(b_dd, tl.trans(b_y), INTERPRET)  # dA [i, j]
-        b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)
-        b_dec = tl.where(msk, tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-        b_kk = _dot(b_kd, tl.trans(b_kd), INTERPRET)
-        b_dld = b_dl * b_dec
-        b_db += tl.sum(b_dld * b_kk, 1)
-        b_e = b_dld * b_kk * b_b[:, None]
-        b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
-        b_mm = _rnd((b_dld * b_b[:, None]), DT, INTERPRET)
-        # dk += M k + M^T k; M^T k = (k^T M)^T: the transposed product only feeds an add, never another matmul
-        b_dk += _dot(b_mm, b_kd, INTERPRET) + tl.trans(_dot(tl.trans(b_kd), b_mm, INTERPRET))
+    # A^T, Y^T, X^T, k^T are transposes of loaded (not matmul-produced) tiles: safe on triton 3.6 Hopper
+    b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
+    b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
+    b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
+    b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
+    b_dy = _dot(b_at, b_dd, INTERPRET)
+    tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])
+    b_db = tl.sum(b_dy * b_v, 1)
+    b_da = _dot(b_dd, tl.trans(b_y), INTERPRET)  # dA [i, j], v term
+    b_kd = tl.load(k + k_off, mask=m[:, None], other=0.)
+    b_x = _rnd((b_kd.to(tl.float32) * bx[:, None]), DT, INTERPRET)
+    b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
+    b_da += _dot(b_dw, tl.trans(b_x), INTERPRET)
+    b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)
+    b_dec = tl.where(msk, tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
+    b_kk = _dot(b_kd, tl.trans(b_kd), INTERPRET)
+    b_dld = b_dl * b_dec
+    b_db += tl.sum(b_dld * b_kk, 1)
+    b_e = b_dld * b_kk * b_b[:, None]
+    b_dg = tl.sum(b_e, 1) - tl.sum(b_e, 0)
+    b_mm = _rnd((b_dld * b_b[:, None]), DT, INTERPRET)
+    # M^T k = (k^T M)^T: the transposed product only feeds an add, never another matmul
+    b_dk = _dot(b_mm, b_kd, INTERPRET) + tl.trans(_dot(tl.trans(b_kd), b_mm, INTERPRET))
+    b_dx = _dot(b_at, b_dw, INTERPRET)
+    b_kf = b_kd.to(tl.float32)
+    b_db += tl.sum(b_dx * b_kf * eg[:, None], 1)
+    b_dg += tl.sum(b_dx * b_kf * bx[:, None], 1)
+    b_dk += b_dx * bx[:, None]
 
     out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
     b_dk += tl.load(dk + out_k, mask=m[:, None], other=0.).to(tl.float32)

@@ -83,10 +83,6 @@ def _dqkw_cfg(phase: int) -> dict:
     return c
 
 
-def _vfirst() -> bool:
-    return bool(configs.CFG["wy"]["VFIRST"])
-
-
 def _rows(name: str) -> int:
     return configs.CFG[name]["BR"]
 
@@ -317,7 +313,7 @@ def gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, 
     dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     dgf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     kn.bwd_wy_kernel[grid](kk, v, bf, gc, A, dw, dd, cu, table, dkv, dkf, dgp, dv, dbf, dgf, H, HV, K=K, V=V, BT=BT,
-                           NK=NP, VFIRST=_vfirst(), INTERPRET=build.INTERPRET, **_cfg("wy"))
+                           NK=NP, INTERPRET=build.INTERPRET, **_cfg("wy"))
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     BR = _rows("final")
@@ -485,7 +481,7 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
                      f"bwd_dqkw[phase={phase}]"))
     out.append(R(kn.bwd_wy_kernel, (bf, bf, f32, f32, bf, bf, bf, i32, i32, kdt, pdt, f32, bf, f32, f32, 1, 1),
                  (1, 1),
-                 dict(K=K, V=V, BT=BT, NK=NP, VFIRST=_vfirst(), INTERPRET=I, **_cfg("wy")),
+                 dict(K=K, V=V, BT=BT, NK=NP, INTERPRET=I, **_cfg("wy")),
                  "bwd_wy"))
     for l2 in (False, True):
         out.append(R(kn.bwd_final_kernel, (bf, pdt, bf, 1, 1, 1), (1, 1),
