@@ -191,8 +191,8 @@ def tune(args):
         for cand in cands:
             key = "dkdv" if name.startswith("dkdv") else name
             cfg = cfg_with(**{key: cand})
-            if key == "fwd":
-                cfg.pop("fwd_gluon", None)  # time the Triton forward config being tuned, not the Gluon one
+            cfg.pop({"fwd": "fwd_gluon", "dq": "dq_gluon", "dkdv": "dkdv_gluon"}[key], None)  # time the Triton
+            # config being tuned, not the Gluon kernel that replaces it on contiguous heads
             if key != "dq":
                 cfg["dq"] = dq_c[0]
             fused = name == "dkdv_fused"

@@ -231,26 +231,55 @@ def test_gluon_forward_matches_triton_forward_bits():
     assert rel_rms(gl_out[:sum(lens_q)], ref_out[:sum(lens_q)]) < 1e-2
 
 
-def test_paired_key_tiles_same_bits(monkeypatch):
-    """dK/dV with paired key tiles (i, n-1-i per program: chosen per call on near-equal documents) and with one tile
-    per program give the same bits at the sm_90a blocks; padding rows 0; and "auto" on near-equal documents."""
+def test_gluon_backward_matches_triton_kernels():
+    """The sm_90a backward runs the Gluon dQ and dK/dV passes (gluon_bwd.py); the Triton kernels remain the route for
+    operands whose heads are not contiguous within a row. Given the same delta, the Gluon dK/dV pass gives the Triton
+    dK/dV kernel's bits; the Gluon dQ pass reduces delta in another order, so its dQ matches the Triton one closely, not
+    bitwise. Edge layouts: NaN in the padding rows of q, k, v, dO and out (read by TMA, must not reach a real row), an
+    empty segment, fewer keys than queries, partial query and key tiles, 3 query heads over 1."""
     from miles_ext_kernels.cake._impl.gqa import ops
 
+    for hq, hkv, lens_q, lens_k in ((6, 2, [200, 0, 129, 64, 700, 1], [50, 10, 300, 64, 700, 1]),
+                                    (3, 1, [1, 2, 127, 128, 129, 255], [1, 2, 127, 128, 129, 255])):
+        q, k, v, do, cq, ck = _inputs(lens_q, lens_k, hq, hkv, pad_q=77, pad_k=40, seed=24)
+        out, lse = ops.gqa_forward(q, k, v, cq, ck, SCALE)
+        for t, n in ((q, sum(lens_q)), (do, sum(lens_q)), (out, sum(lens_q)), (k, sum(lens_k)), (v, sum(lens_k))):
+            t[n:] = float("nan")
+        assert ops.GB is not None and ops._gluon_bwd_fits(q, k, v, do)  # the Gluon routes are the ones under test
+        full = ops.CONFIGS["sm_90a"]
+        gluon_dq_only = {key: val for key, val in full.items() if key != "dkdv_gluon"}
+        triton_only = {key: val for key, val in gluon_dq_only.items() if key != "dq_gluon"}
+        g = ops.gqa_backward(do, q, k, v, out, lse, cq, ck, SCALE, "det", cfg=full)
+        m = ops.gqa_backward(do, q, k, v, out, lse, cq, ck, SCALE, "det", cfg=gluon_dq_only)
+        t = ops.gqa_backward(do, q, k, v, out, lse, cq, ck, SCALE, "det", cfg=triton_only)
+        assert torch.equal(g[1], m[1]) and torch.equal(g[2], m[2])  # dK, dV: Gluon pass == Triton kernel
+        assert torch.equal(g[0], m[0])
+        assert rel_rms(g[0][:sum(lens_q)], t[0][:sum(lens_q)]) < 1e-4
+        for got, n in ((g[0], sum(lens_q)), (g[1], sum(lens_k)), (g[2], sum(lens_k))):
+            assert bool(got.isfinite().all()) and torch.equal(got[n:], torch.zeros_like(got[n:]))
+
+
+def test_paired_key_tiles_same_bits(monkeypatch):
+    """The Triton dK/dV kernel (the route for operands the Gluon pass cannot read) with paired key tiles (i, n-1-i per
+    program: chosen per call on near-equal documents) and with one tile per program give the same bits at the sm_90a
+    blocks; padding rows 0; and "auto" on near-equal documents."""
+    from miles_ext_kernels.cake._impl.gqa import ops
+
+    triton_dkdv = {key: val for key, val in ops.CONFIGS["sm_90a"].items() if key != "dkdv_gluon"}
     lens_q, lens_k = [700, 300, 0, 513], [700, 300, 0, 600]
     inp = _inputs(lens_q, lens_k, 8, 2, pad_q=100, pad_k=70, seed=21)
     got = {}
     for pair in (True, False):
-        monkeypatch.setitem(ops.CONFIGS, "sm_90a", dict(ops.CONFIGS["sm_90a"],
-                                                        dkdv=dict(ops.CONFIGS["sm_90a"]["dkdv"], PAIR=pair)))
+        monkeypatch.setitem(ops.CONFIGS, "sm_90a", dict(triton_dkdv, dkdv=dict(triton_dkdv["dkdv"], PAIR=pair)))
         got[pair] = _run(*inp, max_k=max(lens_k))
     _equal(got[True], got[False])
     dk = got[True][3]
     assert torch.equal(dk[sum(lens_k):], torch.zeros_like(dk[sum(lens_k):])) and bool(dk.isfinite().all())
     monkeypatch.undo()
     uni = _inputs([640] * 4, [640] * 4, 3, 1, seed=22)
+    monkeypatch.setitem(ops.CONFIGS, "sm_90a", triton_dkdv)
     a = _run(*uni, max_k=640)  # "auto" with these lengths takes whichever route the model picks
-    monkeypatch.setitem(ops.CONFIGS, "sm_90a", dict(ops.CONFIGS["sm_90a"],
-                                                    dkdv=dict(ops.CONFIGS["sm_90a"]["dkdv"], PAIR=False)))
+    monkeypatch.setitem(ops.CONFIGS, "sm_90a", dict(triton_dkdv, dkdv=dict(triton_dkdv["dkdv"], PAIR=False)))
     _equal(a, _run(*uni, max_k=640))
 
 

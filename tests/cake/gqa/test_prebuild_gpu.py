@@ -1,4 +1,4 @@
-"""One prebuild of gqa, then every route (both forwards, delta, dQ, dK/dV, tile prefix; det and fast) runs under
+"""One prebuild of gqa, then every route (Gluon and Triton forwards and dK/dV, dQ, tile prefix; det and fast) runs under
 no_build(): in this process, and in fresh processes sharing the cache directory (det bits equal this process')."""
 import pytest
 import torch
@@ -29,13 +29,16 @@ def every_route():
             if variant == "det":
                 for name, t in (("out", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
                     out[f"{hq}/{hkv}/{name}"] = t.detach().float().cpu()
-    # a head stride other than 256: the Triton forward (the Gluon forward needs a token's heads contiguous)
+    # a head stride other than 256: the Triton forward and dK/dV (the Gluon kernels need a token's heads contiguous)
     mek.configure(gqa_variant="det")
     g = torch.Generator().manual_seed(11)
-    wide_q = torch.randn(200, 2, 512, generator=g).to("cuda", torch.bfloat16)[:, :, :256]
-    kv = torch.randn(200, 1, 256, generator=g).to("cuda", torch.bfloat16)
+    wide_q = torch.randn(200, 2, 512, generator=g).to("cuda", torch.bfloat16)[:, :, :256].requires_grad_()
+    kv = torch.randn(200, 1, 256, generator=g).to("cuda", torch.bfloat16).requires_grad_()
     cu = torch.tensor([0, 120, 200], dtype=torch.int32, device="cuda")
-    out["wide/out"] = decl.varlen_gqa_attention(wide_q, kv, kv, cu, cu, max_seqlen_k=120).float().cpu()
+    o = decl.varlen_gqa_attention(wide_q, kv, kv, cu, cu, max_seqlen_k=120)
+    dq, dkv = torch.autograd.grad(o, (wide_q, kv), torch.randn(200, 2, 256, generator=g).to("cuda", torch.bfloat16))
+    for name, t in (("out", o), ("dq", dq), ("dkv", dkv)):
+        out[f"wide/{name}"] = t.detach().float().cpu()
     mek.configure()
     torch.cuda.synchronize()
     return out

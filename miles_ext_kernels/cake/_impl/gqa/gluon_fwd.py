@@ -22,17 +22,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from . import gluon_util as U
 from . import kernels as K
 
 _RUNTIME = ["sm_scale", "T_q", "n_seg", "n_iter", "H_q", "group"]  # never specialized (a finite set of routes)
-
-
-@gluon.jit
-def _request(desc, smem, bars, stage, row, col):
-    """TMA of one [rows, D] tile into `stage` of `smem`, completing on that stage's mbarrier."""
-    bar = bars.index(stage)
-    mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row, col], bar, smem.index(stage))
 
 
 @gluon.jit
@@ -69,14 +62,11 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale,
     total = gl.load(TS + n_seg)
     if t >= total:
         # padding rows past cu_seqlens_q[-1]: out 0, LSE -inf
-        z_m = gl.arange(0, BM, layout=gl.SliceLayout(1, row_layout))
-        z_d = gl.arange(0, D, layout=gl.SliceLayout(0, row_layout))
-        z_rows = gl.load(CU_Q + n_seg) + (t - total) * BM + z_m
-        z_ok = z_rows < T_q
-        gl.store(O + z_rows.to(gl.int64)[:, None] * sot + h * soh + z_d[None, :],
-                 gl.zeros([BM, D], O.dtype.element_ty, row_layout), mask=z_ok[:, None])
-        gl.store(LSE + h.to(gl.int64) * T_q + z_rows,
-                 gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, row_layout)), mask=z_ok)
+        row0 = gl.load(CU_Q + n_seg) + (t - total) * BM
+        U.zero_rows(O, row0, T_q, sot, soh, h, BM, D, num_warps)
+        z_rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, row_layout))
+        gl.store(LSE + h.to(gl.int64) * T_q + z_rows, gl.full([BM], float("-inf"), gl.float32,
+                                                              gl.SliceLayout(1, row_layout)), mask=z_rows < T_q)
     else:
         local, q0, L_q, k0, L_k = K._find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)  # scalar code, shared
         m0 = local * BM
@@ -102,8 +92,8 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale,
         tma.async_copy_global_to_shared(q_desc, [q0 + m0, col_q], q_bar, q_smem)
         for i in gl.static_range(2):
             if n_blocks > i:
-                _request(k_desc, k_smem, k_bars, i, k0 + i * BN, col_k)
-                _request(v_desc, v_smem, v_bars, i, k0 + i * BN, col_k)
+                U.request(k_desc, k_smem.index(i), k_bars.index(i), k0 + i * BN, col_k)
+                U.request(v_desc, v_smem.index(i), v_bars.index(i), k0 + i * BN, col_k)
 
         acc = gl.zeros([BM, D], gl.float32, o_layout)
         m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -116,7 +106,7 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale,
             s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             if n_blocks > 2:  # S_0 has read K's stage 0
-                _request(k_desc, k_smem, k_bars, 0, k0 + 2 * BN, col_k)
+                U.request(k_desc, k_smem.index(0), k_bars.index(0), k0 + 2 * BN, col_k)
             p, alpha, l_i, m_i = _softmax(s, 0, m0, offset, L_k, m_i, l_i, qk_scale, BM, BN, s_layout)
         for j in range(0, n_blocks):
             stage = j % 2
@@ -138,11 +128,11 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale,
                 # wgmma groups complete in order: one outstanding = S_{j+1} done, P_j V_j may still run
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
                 if j + 3 < n_blocks:  # S_{j+1} has read K's stage nstage
-                    _request(k_desc, k_smem, k_bars, nstage, k0 + n + 3 * BN, col_k)
+                    U.request(k_desc, k_smem.index(nstage), k_bars.index(nstage), k0 + n + 3 * BN, col_k)
                 p, alpha, l_i, m_i = _softmax(s, n + BN, m0, offset, L_k, m_i, l_i, qk_scale, BM, BN, s_layout)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, pb))[0]
                 if j + 2 < n_blocks:  # P_j V_j has read V's stage
-                    _request(v_desc, v_smem, v_bars, stage, k0 + n + 2 * BN, col_k)
+                    U.request(v_desc, v_smem.index(stage), v_bars.index(stage), k0 + n + 2 * BN, col_k)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             else:
                 acc_tok = warpgroup_mma(pb, v_smem.index(stage), acc, is_async=True)

@@ -20,9 +20,10 @@ try:  # the sm_90a forward; Gluon has no interpreter, so CPU runs use the Triton
     from triton.experimental.gluon import language as _gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
 
+    from . import gluon_bwd as GB
     from . import gluon_fwd as G
-except ImportError:  # a triton without Gluon: the Triton forward everywhere
-    G = None
+except ImportError:  # a triton without Gluon: the Triton kernels everywhere
+    G = GB = None
 
 OP_NAME = "gqa"
 DEFAULT_SCALE = HEAD_DIM ** -0.5
@@ -37,10 +38,16 @@ CONFIGS = {
         # the same bits; operands whose heads are not contiguous within a row take the Triton forward above
         "fwd_gluon": dict(BM=128, BN=64, num_warps=8),
         "dq": dict(BM=128, BN=64, num_warps=8, num_stages=1),
+        # the Gluon dQ pass (gluon_bwd.py): same tiles; operands the Gluon forward cannot read take "dq" above
+        "dq_gluon": dict(BM=128, BN=64, num_warps=8),
         # S = Q K^T with 128 query rows as M: both warpgroups share the work (a 64-row M replicates it)
         # PAIR "auto": programs take key tiles i and n-1-i of a segment where a model of the schedule says it
         # shortens it (near-equal documents, few programs per SM); the bits are the same either way
         "dkdv": dict(BM=128, BN=64, num_warps=8, num_stages=1, S_ROWS=True, PAIR="auto"),
+        # the Gluon dK/dV pass (gluon_bwd.py: a TMA loader warp and two warpgroups, one per accumulator); 4 warps
+        # is its default partition (the kernel runs 4 + 4 + 1 warps, 168 registers a thread before reallocation:
+        # 240 for each warpgroup, 24 for the loader). Operands the Gluon forward cannot read take "dkdv" above
+        "dkdv_gluon": dict(BM=64, BN=64, num_warps=4, maxnreg=168),
         "delta": dict(BR=32, num_warps=4, num_stages=1),
         "prefix": dict(BLOCK=1024, num_warps=4, num_stages=1),
         "cast": dict(BLOCK=4096, num_warps=4, num_stages=1),
@@ -141,6 +148,18 @@ def _gluon_fwd_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return True
 
 
+def _gluon_bwd_fits(q, k, v, do) -> bool:
+    """Whether the Gluon backward passes can read their operands as TMA tensors (the forward's condition, and dO's)."""
+    return _gluon_fwd_fits(q, k, v) and _gluon_fwd_fits(do, k, v)
+
+
+def _gluon_desc(t: torch.Tensor, rows: int) -> "_GluonDescriptor":
+    """TMA descriptor of a [tokens, heads, D] operand (heads of a token contiguous) as [tokens, heads * D], read in
+    [rows, D] tiles."""
+    st, _ = _strides(t)
+    return _GluonDescriptor(t, [t.shape[0], t.shape[1] * HEAD_DIM], [st, 1], [rows, HEAD_DIM], _tile_layout(rows))
+
+
 @functools.lru_cache(maxsize=8)
 def _tile_layout(rows: int):
     """Shared-memory layout of a [rows, HEAD_DIM] bf16 TMA tile (cached: the forward's host path is exposed on small
@@ -183,14 +202,9 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     cg = cfg.get("fwd_gluon")
     if cg is not None and G is not None and not INTERPRET and _gluon_fwd_fits(q, k, v):
         assert cg["BM"] == c["BM"]  # the tile prefix above counts tiles of BM rows
-        lq, lk = _tile_layout(cg["BM"]), _tile_layout(cg["BN"])
-
-        def desc(t, rows, st, layout):  # [tokens, heads * D] with the heads of a token contiguous
-            return _GluonDescriptor(t, [t.shape[0], t.shape[1] * D], [st, 1], [rows, D], layout)
-
         G.fwd_kernel[(upper * H_q,)](
-            desc(q, cg["BM"], sqt, lq), desc(k, cg["BN"], skt, lk), desc(v, cg["BN"], svt, lk),
-            desc(out, cg["BM"], out.stride(0), lq), out, lse, cu_q, cu_k, ts,
+            _gluon_desc(q, cg["BM"]), _gluon_desc(k, cg["BN"]), _gluon_desc(v, cg["BN"]), _gluon_desc(out, cg["BM"]),
+            out, lse, cu_q, cu_k, ts,
             float(scale), T_q, B, B.bit_length(), H_q, H_q // H_kv, out.stride(0), out.stride(1),
             D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"])
         return out, lse
@@ -244,32 +258,52 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
         # dQ first: its kernel also writes delta = rowsum(dO * O), which the dK/dV kernel reads
         if upper_q * H_q > 0 and "dq" in parts:
             _prefix(cu_q, ts_q, cq["BM"], cfg)
-            K._bwd_dq_kernel[(upper_q * H_q,)](
-                q, k, v, do, out, lse, delta, dq, cu_q, cu_k, ts_q,
-                float(scale), T_q, B, B.bit_length(), H_q, group,
-                sqt, sqh, skt, skh, svt, svh, sdt, sdh, sot, soh, dq.stride(0), dq.stride(1),
-                D=D, BM=cq["BM"], BN=cq["BN"], INTERPRET=INTERPRET,
-                num_warps=cq["num_warps"], num_stages=cq["num_stages"])
+            cgq = cfg.get("dq_gluon")
+            if cgq is not None and GB is not None and not INTERPRET and _gluon_bwd_fits(q, k, v, do):
+                assert cgq["BM"] == cq["BM"]  # the tile prefix above counts tiles of BM rows
+                GB.dq_kernel[(upper_q * H_q,)](
+                    _gluon_desc(q, cgq["BM"]), _gluon_desc(k, cgq["BN"]), _gluon_desc(v, cgq["BN"]),
+                    _gluon_desc(do, cgq["BM"]), out, lse, delta, dq, cu_q, cu_k, ts_q, float(scale), T_q, B,
+                    B.bit_length(), H_q, group, sot, soh, dq.stride(0), dq.stride(1),
+                    D=D, BM=cgq["BM"], BN=cgq["BN"], num_warps=cgq["num_warps"])
+            else:
+                K._bwd_dq_kernel[(upper_q * H_q,)](
+                    q, k, v, do, out, lse, delta, dq, cu_q, cu_k, ts_q,
+                    float(scale), T_q, B, B.bit_length(), H_q, group,
+                    sqt, sqh, skt, skh, svt, svh, sdt, sdh, sot, soh, dq.stride(0), dq.stride(1),
+                    D=D, BM=cq["BM"], BN=cq["BN"], INTERPRET=INTERPRET,
+                    num_warps=cq["num_warps"], num_stages=cq["num_stages"])
     elif T_q * H_q > 0 and "delta" in parts:
         K._bwd_delta_kernel[(cdiv(T_q, cd["BR"]) * H_q,)](
             out, do, delta, T_q, H_q, sot, soh, sdt, sdh,
             D=D, BR=cd["BR"], INTERPRET=INTERPRET, num_warps=cd["num_warps"], num_stages=cd["num_stages"])
-    pair = "dkdv" in parts and _use_pair(ckv.get("PAIR", False), B, T_k, max_seqlen_k, H_kv, group, q.device, ckv)
-    tile_k = ckv["BN"] * (2 if pair else 1)  # PAIR: the prefix counts pairs of key tiles
+    cg = cfg.get("dkdv_gluon")
+    gluon = (cg is not None and GB is not None and not INTERPRET and not fused and "dkdv" in parts
+             and _gluon_bwd_fits(q, k, v, do))
+    pair = "dkdv" in parts and not gluon and _use_pair(ckv.get("PAIR", False), B, T_k, max_seqlen_k, H_kv, group,
+                                                       q.device, ckv)
+    tile_k = (cg["BN"] if gluon else ckv["BN"]) * (2 if pair else 1)  # PAIR: the prefix counts pairs of key tiles
     upper_k = cdiv(T_k, tile_k) + B
     if fused:
         dqa.zero_()
     if upper_k * H_kv > 0 and "dkdv" in parts:
         _prefix(cu_k, ts_k, tile_k, cfg)
-        sat, sah = H_q * D, D
-        K._bwd_dkdv_kernel[(upper_k * H_kv,)](
-            q, k, v, do, lse, delta, dk, dv, dqa, cu_q, cu_k, ts_k,
-            float(scale), T_q, T_k, B, B.bit_length(), H_kv, group,
-            sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, dk.stride(0), dk.stride(1), dv.stride(0),
-            dv.stride(1),
-            D=D, BM=ckv["BM"], BN=ckv["BN"], FUSE_DQ=fused, S_ROWS=ckv.get("S_ROWS", False), INTERPRET=INTERPRET,
-            PAIR=pair,
-            num_warps=ckv["num_warps"], num_stages=ckv["num_stages"])
+        if gluon:
+            GB.dkdv_kernel[(upper_k * H_kv,)](
+                _gluon_desc(q, cg["BM"]), _gluon_desc(k, cg["BN"]), _gluon_desc(v, cg["BN"]), _gluon_desc(do, cg["BM"]),
+                lse, delta, dk, dv, cu_q, cu_k, ts_k, float(scale), T_q, T_k, B, B.bit_length(), H_kv, group,
+                dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
+        else:
+            sat, sah = H_q * D, D
+            K._bwd_dkdv_kernel[(upper_k * H_kv,)](
+                q, k, v, do, lse, delta, dk, dv, dqa, cu_q, cu_k, ts_k,
+                float(scale), T_q, T_k, B, B.bit_length(), H_kv, group,
+                sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, dk.stride(0), dk.stride(1), dv.stride(0),
+                dv.stride(1),
+                D=D, BM=ckv["BM"], BN=ckv["BN"], FUSE_DQ=fused, S_ROWS=ckv.get("S_ROWS", False),
+                INTERPRET=INTERPRET, PAIR=pair,
+                num_warps=ckv["num_warps"], num_stages=ckv["num_stages"])
     if fused:
         n = T_q * H_q * D
         if n > 0 and "dq" in parts:
@@ -303,16 +337,29 @@ def routes(**model_params):
     out.append(Route(K._fwd_kernel, (bf, bf, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n) + (st, sh) * 4,
                      (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "DIAG_ONLY": c.get("DIAG_ONLY", False),
                             "INTERPRET": False, **launch(c)}, "fwd"))
+
+    def desc(rows):  # descriptors on meta tensors stand in for the real ones (specialized on block shape, layout)
+        return _GluonDescriptor(torch.empty(rows, HEAD_DIM, dtype=bf, device="meta"), [rows, HEAD_DIM],
+                                [HEAD_DIM, 1], [rows, HEAD_DIM], _tile_layout(rows))
+
     cg = cfg.get("fwd_gluon")
     if cg is not None and G is not None:
-        # descriptors on meta tensors stand in for the real ones (specialized on dtype, block shape and layout)
-        def desc(rows):
-            return _GluonDescriptor(torch.empty(rows, HEAD_DIM, dtype=bf, device="meta"), [rows, HEAD_DIM],
-                                    [HEAD_DIM, 1], [rows, HEAD_DIM], _tile_layout(rows))
         dq_, dk_ = desc(cg["BM"]), desc(cg["BN"])
         out.append(Route(G.fwd_kernel, (dq_, dk_, dk_, dq_, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n, st, sh),
                          (1,), {"D": HEAD_DIM, "BM": cg["BM"], "BN": cg["BN"], "num_warps": cg["num_warps"]},
                          "fwd_gluon"))
+    cb = cfg.get("dq_gluon")
+    if cb is not None and GB is not None:
+        out.append(Route(GB.dq_kernel, (desc(cb["BM"]), desc(cb["BN"]), desc(cb["BN"]), desc(cb["BM"]), bf, f32, f32,
+                                        bf, i32, i32, i32, 0.0625, n, n, n, n, n, st, sh, st, sh), (1,),
+                         {"D": HEAD_DIM, "BM": cb["BM"], "BN": cb["BN"], "num_warps": cb["num_warps"]},
+                         "bwd_dq_gluon"))
+    cb = cfg.get("dkdv_gluon")
+    if cb is not None and GB is not None:
+        out.append(Route(GB.dkdv_kernel, (desc(cb["BM"]), desc(cb["BN"]), desc(cb["BN"]), desc(cb["BM"]), f32, f32,
+                                          bf, bf, i32, i32, i32, 0.0625, n, n, n, n, n, n, st, sh, st, sh), (1,),
+                         {"D": HEAD_DIM, "BM": cb["BM"], "BN": cb["BN"], "num_warps": cb["num_warps"],
+                          "maxnreg": cb["maxnreg"]}, "bwd_dkdv_gluon"))
     if FAST_FUSED_DQ[arch]:
         c = cfg["delta"]
         out.append(Route(K._bwd_delta_kernel, (bf, bf, f32, n, n) + (st, sh) * 2, (1,),

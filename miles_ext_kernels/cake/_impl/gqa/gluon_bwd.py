@@ -1,0 +1,393 @@
+"""Gluon backward passes of `gqa` for sm_90a (Hopper): TMA operands and asynchronous wgmma.
+
+Both replace a Triton kernel of `kernels.py` for operands whose heads are contiguous within a token row (`ops`
+routes the rest, and CPU runs, to the Triton kernels; Gluon has no interpreter). `dq_kernel` runs first and also
+writes delta = rowsum(dO * O), which `dkdv_kernel` reads.
+
+`dkdv_kernel`: one program = one BN-key tile of one segment and one kv head; steps = the group's query heads in order,
+then query blocks of BM rows in order from the first block that sees a key of the tile. Three partitions that talk
+through mbarriers (the Triton kernel gets one pipeline stage on triton 3.6, so its Q/dO loads are not overlapped with
+its matmuls, and it waits every matmul at once):
+- a loader warp: K and V once, then the Q and dO tiles of each step by TMA, two stages each (a stage is refilled once
+  both warpgroups have released it);
+- warpgroup 0 (default partition): S^T = K Q^T with the keys as the 64-row M (P^T is then already the A operand of
+  dV += P^T dO: no transposes), P^T = exp2(S^T * scale * log2e - lse2) published in fp32 for warpgroup 1, then
+  dV += P^T dO with P^T from registers. S^T of step i+1 is issued before dV of step i, and P^T of step i+1 is computed
+  while dV of step i runs;
+- warpgroup 1: dP^T = V dO^T, dS^T = P^T * (dP^T - delta) with warpgroup 0's P^T, dK += dS^T Q. dP^T of step i+1 is
+  issued before dK of step i, and dS^T of step i+1 is computed while dK of step i runs.
+Each warpgroup holds one fp32 [BN, D] accumulator (128 registers a thread at BN 64, D 256; dK and dV together would
+not fit one warpgroup). Shared memory: K, V 64 KB + Q, dO 2 x 2 x 32 KB + P^T 2 x 16 KB = 224 KB (232 448 B allowed).
+Query rows past L_q in a segment's last, partial block are loaded by TMA (they belong to the next segment or are
+padding): warpgroup 0 zeroes them in shared memory before it publishes that step's P^T (dK and dV contract over query
+rows, and 0 * NaN would not be 0), and their P^T and dS^T columns are set to 0. Key rows past L_k of a partial key
+tile give rows of dK and dV that are never stored (rows do not mix).
+Measured on the H200 (bench/NOTES.md): 5 % faster than the Triton dK/dV kernel at 16 x 2048; a variant with the
+roles split by operand (warpgroup 0: S^T and dK, warpgroup 1: dP^T and dV, exchanging bf16 P^T and fp32 dP^T) was no
+faster than the Triton kernel.
+
+`dq_kernel`: one program = one 128-row query tile and query head, 8 warps; Q and dO resident, K double- and V
+single-buffered (224 KB); S = Q K^T and dP = dO V^T issued back to back, P computed while dP runs; K and V rows past
+the segment zeroed in shared memory (dQ += dS K contracts over keys).
+
+Bits: both kernels use the Triton kernels' tiles and order of operations, so dK and dV are the Triton kernel's bits
+and dQ differs from it only through delta (reduced in another register layout); all repeat bit for bit and do not
+depend on the pack (tiles start at segment starts, nothing depends on T or B).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+
+from . import gluon_util as U
+from . import kernels as K
+
+_RUNTIME = ["sm_scale", "T_q", "T_k", "n_seg", "n_iter", "H_kv", "group"]  # never specialized
+
+
+@gluon.jit
+def _step(i, n_m, m_lo, hk, group, BM: gl.constexpr):
+    """Step i of a program: query head h and query block start m (heads outer, blocks inner: the Triton kernel's
+    order, hence its bits. Blocks from the last down with heads inner, so that the programs of a segment read the
+    same tiles at the same time, measured 11 % slower on the H200)."""
+    g = i // n_m
+    return hk * group + g, m_lo + (i - g * n_m) * BM
+
+
+@gluon.jit
+def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
+                 q_empty, do_empty, k0, n0, q0, hk, group, m_lo, n_m, D: gl.constexpr, BM: gl.constexpr):
+    """One warp: K and V of the tile, then Q and dO of every step into two stages (a stage is refilled once both
+    warpgroups have released it)."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k0 + n0, hk * D], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [k0 + n0, hk * D], kv_bar, v_smem)
+    for i in range(group * n_m):
+        s = i % 2
+        free_phase = ((i // 2) & 1) ^ 1  # a fresh mbarrier counts as having completed the phase before phase 0
+        h, m = _step(i, n_m, m_lo, hk, group, BM)
+        mbarrier.wait(q_empty.index(s), free_phase)
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q0 + m, h * D], q_ready.index(s), q_smem.index(s))
+        mbarrier.wait(do_empty.index(s), free_phase)
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [q0 + m, h * D], do_ready.index(s), do_smem.index(s))
+
+
+@gluon.jit
+def _query_vec(PTR, h, T_q, q0, m, L_q, BM: gl.constexpr, s_layout: gl.constexpr):
+    """PTR[h, q0 + m + j] for the BM query columns j of a step (0 past the segment), in the column layout of an
+    S^T tile. Loaded with one element per thread and converted: direct loads in the MMA column layout need 16
+    64-bit pointers per thread, which spilled."""
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    j = gl.arange(0, BM, layout=flat)
+    x = gl.load(PTR + h.to(gl.int64) * T_q + q0 + m + j, mask=(m + j) < L_q, other=0.0)
+    return gl.convert_layout(x, gl.SliceLayout(0, s_layout))
+
+
+@gluon.jit
+def _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM: gl.constexpr, BN: gl.constexpr,
+            s_layout: gl.constexpr):
+    """P^T [BN keys, BM queries] of one step (fp32), zero where masked (causal, or query rows past the segment)."""
+    offs_q = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+    lse2 = _query_vec(LSE, h, T_q, q0, m, L_q, BM, s_layout) * 1.4426950408889634
+    lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that see no key: P = 0
+    p = gl.exp2(st * qk_scale - lse2[None, :])
+    if (n0 + BN > m + offset + 1) or (m + BM > L_q):  # diagonal block, or the segment's last, partial block
+        offs_k = gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+        keep = ((n0 + offs_k)[:, None] <= (m + offs_q)[None, :] + offset) & ((m + offs_q) < L_q)[None, :]
+        p = gl.where(keep, p, 0.0)
+    return p
+
+
+@gluon.jit
+def _dkdv_s_dv(k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, p_full, p_empty, LSE,
+           DV, T_q, q0, k0, n0, L_q, L_k, offset, hk, group, m_lo, n_m, qk_scale, sdvt, sdvh,
+           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """Warpgroup 0: S^T = K Q^T, P^T (fp32, published for warpgroup 1), dV += P^T dO; stores dV. Also zeroes the
+    Q and dO rows past the segment of a partial query block, before it publishes that step's P^T."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    n_steps = group * n_m
+    s_zero = gl.zeros([BN, BM], gl.float32, s_layout)
+    dv = gl.zeros([BN, D], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    if n_steps > 0:
+        h, m = _step(0, n_m, m_lo, hk, group, BM)
+        mbarrier.wait(q_ready.index(0), 0)
+        if m + BM > L_q:
+            mbarrier.wait(do_ready.index(0), 0)
+            U.zero_rows_from(q_smem.index(0), L_q - m, BM, D, 4)
+            U.zero_rows_from(do_smem.index(0), L_q - m, BM, D, 4)
+            fence_async_shared()
+        st = warpgroup_mma(k_smem, q_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        mbarrier.arrive(q_empty.index(0), count=1)
+        p = _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM, BN, s_layout)
+        mbarrier.wait(p_empty.index(0), 1)
+        p_smem.index(0).store(p)
+        mbarrier.arrive(p_full.index(0), count=1)
+        pa = gl.convert_layout(p.to(gl.bfloat16), a_layout)
+        for i in range(n_steps):
+            s = i % 2
+            phase = (i // 2) & 1
+            ns = (i + 1) % 2
+            nphase = ((i + 1) // 2) & 1
+            if i + 1 < n_steps:
+                h, m = _step(i + 1, n_m, m_lo, hk, group, BM)
+                mbarrier.wait(q_ready.index(ns), nphase)
+                if m + BM > L_q:
+                    mbarrier.wait(do_ready.index(ns), nphase)
+                    U.zero_rows_from(q_smem.index(ns), L_q - m, BM, D, 4)
+                    U.zero_rows_from(do_smem.index(ns), L_q - m, BM, D, 4)
+                    fence_async_shared()
+                st_tok = warpgroup_mma(k_smem, q_smem.index(ns).permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                mbarrier.wait(do_ready.index(s), phase)
+                dv_tok = warpgroup_mma(pa, do_smem.index(s), dv, is_async=True)
+                # groups complete in order: one outstanding = S^T_{i+1} done, dV_i may still run (P^T_{i+1} is
+                # computed meanwhile)
+                st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+                mbarrier.arrive(q_empty.index(ns), count=1)
+                p = _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM, BN, s_layout)
+                mbarrier.wait(p_empty.index(ns), nphase ^ 1)
+                p_smem.index(ns).store(p)
+                mbarrier.arrive(p_full.index(ns), count=1)
+                dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, pa))[0]
+                mbarrier.arrive(do_empty.index(s), count=1)
+                pa = gl.convert_layout(p.to(gl.bfloat16), a_layout)
+            else:
+                mbarrier.wait(do_ready.index(s), phase)
+                dv_tok = warpgroup_mma(pa, do_smem.index(s), dv, is_async=True)
+                dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, pa))[0]
+                mbarrier.arrive(do_empty.index(s), count=1)
+    # K is no longer read (the last S^T has completed): stage dV there for 16-byte row stores
+    k_smem.store(dv.to(DV.dtype.element_ty))
+    gl.thread_barrier()
+    U.store_rows(k_smem, DV, k0 + n0, hk, sdvt, sdvh, L_k - n0, BN, D, 4)
+
+
+@gluon.jit
+def _dkdv_dp_dk(v_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, p_full, p_empty, DELTA,
+           DK, T_q, q0, k0, n0, L_q, L_k, hk, group, m_lo, n_m, sm_scale, sdkt, sdkh,
+           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """Warpgroup 1: dP^T = V dO^T, dS^T = P^T * (dP^T - delta) with warpgroup 0's fp32 P^T, dK += dS^T Q; stores dK."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    n_steps = group * n_m
+    s_zero = gl.zeros([BN, BM], gl.float32, s_layout)
+    # dK stays an asynchronous accumulator across steps: dK_i is issued on dK_{i-1} without waiting for it
+    dk = warpgroup_mma_init(gl.zeros([BN, D], gl.float32, acc_layout))
+    dsa = gl.zeros([BN, BM], gl.bfloat16, a_layout)
+    offs_q = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+    mbarrier.wait(kv_bar, 0)
+    if n_steps > 0:
+        mbarrier.wait(do_ready.index(0), 0)
+        dpt = warpgroup_mma(v_smem, do_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+        mbarrier.arrive(do_empty.index(0), count=1)
+        for i in range(n_steps):
+            s = i % 2
+            phase = (i // 2) & 1
+            ns = (i + 1) % 2
+            nphase = ((i + 1) // 2) & 1
+            h, m = _step(i, n_m, m_lo, hk, group, BM)
+            qvalid = (m + offs_q) < L_q
+            delta = _query_vec(DELTA, h, T_q, q0, m, L_q, BM, s_layout)
+            mbarrier.wait(p_full.index(s), phase)
+            p = p_smem.index(s).load(s_layout)
+            mbarrier.arrive(p_empty.index(s), count=1)
+            # where, not a product: dP^T columns of query rows past the segment may come from rows warpgroup 0 is
+            # zeroing (their P^T is 0, but 0 * NaN would not be)
+            ds = gl.where(qvalid[None, :], p * (dpt - delta[None, :]), 0.0)
+            # dK_{i-1} done (it ran while dS^T_i was computed): it has read Q_{i-1} and the previous dS^T registers
+            dk, dsa = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dsa))
+            dk = warpgroup_mma_init(dk)
+            if i > 0:
+                mbarrier.arrive(q_empty.index(ns), count=1)
+            dsa = gl.convert_layout(ds.to(gl.bfloat16), a_layout)
+            if i + 1 < n_steps:
+                mbarrier.wait(do_ready.index(ns), nphase)
+                dpt_tok = warpgroup_mma(v_smem, do_smem.index(ns).permute((1, 0)), s_zero, use_acc=False,
+                                        is_async=True)
+                mbarrier.wait(q_ready.index(s), phase)
+                dk = warpgroup_mma(dsa, q_smem.index(s), dk, is_async=True)
+                # one outstanding = dP^T_{i+1} done, dK_i may still run
+                dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
+                mbarrier.arrive(do_empty.index(ns), count=1)
+            else:
+                mbarrier.wait(q_ready.index(s), phase)
+                dk = warpgroup_mma(dsa, q_smem.index(s), dk, is_async=True)
+    dk, dsa = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dsa))
+    # V is no longer read (the last dP^T has completed): stage dK there
+    v_smem.store((dk * sm_scale).to(DK.dtype.element_ty))
+    gl.thread_barrier()
+    U.store_rows(v_smem, DK, k0 + n0, hk, sdkt, sdkh, L_k - n0, BN, D, 4)
+
+
+@gluon.jit(do_not_specialize=_RUNTIME)
+def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, CU_Q, CU_K, TS, sm_scale, T_q, T_k, n_seg,
+                n_iter, H_kv, group, sdkt, sdkh, sdvt, sdvh, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                num_warps: gl.constexpr):
+    """dK, dV of one BN-key tile of one segment and one kv head (`num_warps` = 4: the default partition; the
+    kernel runs 4 + 4 + 1 warps). Programs past the last tile zero the padding rows (tokens past cu_seqlens_k[-1])."""
+    pid = gl.program_id(0)
+    hk = pid % H_kv
+    t = pid // H_kv
+    total = gl.load(TS + n_seg)
+    if t >= total:  # padding rows past cu_seqlens_k[-1]: dK, dV 0
+        row0 = gl.load(CU_K + n_seg) + (t - total) * BN
+        U.zero_rows(DK, row0, T_k, sdkt, sdkh, hk, BN, D, num_warps)
+        U.zero_rows(DV, row0, T_k, sdvt, sdvh, hk, BN, D, num_warps)
+    else:
+        local, k0, L_k, q0, L_q = K._find_tile(TS, CU_K, CU_Q, t, n_seg, n_iter, False)
+        n0 = local * BN
+        offset = L_k - L_q
+        # query blocks (aligned to the segment start) that see some key of the tile: [m_lo, L_q)
+        m_lo = (gl.maximum(n0 - offset, 0) // BM) * BM
+        n_m = gl.maximum((L_q - m_lo + BM - 1) // BM, 0)
+        qk_scale = sm_scale * 1.4426950408889634
+
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [BN, D], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BM, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BM, D], do_desc.layout)
+        p_smem = gl.allocate_shared_memory(gl.float32, [2, BN, BM],
+                                           gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]))
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # released by both warpgroups
+            mbarrier.init(do_empty.index(i), count=2)
+            mbarrier.init(p_full.index(i), count=1)
+            mbarrier.init(p_empty.index(i), count=1)
+        gl.warp_specialize([
+            (_dkdv_s_dv, (k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, p_full,
+                      p_empty, LSE, DV, T_q, q0, k0, n0, L_q, L_k, offset, hk, group, m_lo, n_m, qk_scale, sdvt,
+                      sdvh, D, BM, BN)),
+            (_dkdv_dp_dk, (v_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, p_full,
+                      p_empty, DELTA, DK, T_q, q0, k0, n0, L_q, L_k, hk, group, m_lo, n_m, sm_scale, sdkt, sdkh,
+                      D, BM, BN)),
+            (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
+                            do_ready, q_empty, do_empty, k0, n0, q0, hk, group, m_lo, n_m, D, BM)),
+        ], [4, 1], [240, 24])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# dQ pass: one program = one BM-row query tile of one segment and one query head (8 warps, no warp specialization)
+_RUNTIME_DQ = ["sm_scale", "T_q", "n_seg", "n_iter", "H_q", "group"]
+
+
+@gluon.jit(do_not_specialize=_RUNTIME_DQ)
+def dq_kernel(q_desc, k_desc, v_desc, do_desc, O, LSE, DELTA, DQ, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, H_q,
+              group, sot, soh, sdqt, sdqh, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              num_warps: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BN, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, D, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    pid = gl.program_id(0)
+    h = pid % H_q
+    t = pid // H_q
+    hk = h // group
+    total = gl.load(TS + n_seg)
+    if t >= total:  # padding rows past cu_seqlens_q[-1]: dQ 0
+        U.zero_rows(DQ, gl.load(CU_Q + n_seg) + (t - total) * BM, T_q, sdqt, sdqh, h, BM, D, num_warps)
+    else:
+        local, q0, L_q, k0, L_k = K._find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)
+        m0 = local * BM
+        offset = L_k - L_q
+        qk_scale = sm_scale * 1.4426950408889634
+        hi = gl.maximum(gl.minimum(L_k, m0 + BM + offset), 0)
+        n_blocks = (hi + BN - 1) // BN
+        col_q = h * D
+        col_k = hk * D
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(do_desc.dtype, [BM, D], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [BN, D], v_desc.layout)
+        qd_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(qd_bar, count=1)
+        mbarrier.init(k_bars.index(0), count=1)
+        mbarrier.init(k_bars.index(1), count=1)
+        mbarrier.init(v_bar, count=1)
+
+        mbarrier.expect(qd_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q0 + m0, col_q], qd_bar, q_smem)
+        tma.async_copy_global_to_shared(do_desc, [q0 + m0, col_q], qd_bar, do_smem)
+        for i in gl.static_range(2):
+            if n_blocks > i:
+                U.request(k_desc, k_smem.index(i), k_bars.index(i), k0 + i * BN, col_k)
+        if n_blocks > 0:
+            U.request(v_desc, v_smem, v_bar, k0, col_k)
+
+        # delta = rowsum(dO * O) of the tile (as the Triton kernel: fp32 products of the bf16 values), stored for
+        # the dK/dV kernel; lse in base 2, rows that see no key get +inf (P = 0)
+        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        rvalid = (m0 + offs_m) < L_q
+        row0 = (q0 + m0).to(gl.int64)
+        o = gl.load(O + row0 * sot + h * soh + (offs_m[:, None] * sot + offs_d[None, :]), mask=rvalid[:, None],
+                    other=0.0)
+        mbarrier.wait(qd_bar, 0)
+        do_reg = do_smem.load(acc_layout)
+        delta = gl.sum(o.to(gl.float32) * gl.where(rvalid[:, None], do_reg, 0.0).to(gl.float32), 1)
+        gl.store(DELTA + h.to(gl.int64) * T_q + q0 + m0 + offs_m, delta, mask=rvalid)
+        offs_s = gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        lse = gl.load(LSE + h.to(gl.int64) * T_q + q0 + m0 + offs_s, mask=(m0 + offs_s) < L_q, other=0.0)
+        lse2 = lse * 1.4426950408889634
+        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+        delta_s = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
+        offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+
+        dq = gl.zeros([BM, D], gl.float32, acc_layout)
+        s_zero = gl.zeros([BM, BN], gl.float32, s_layout)
+        for j in range(0, n_blocks):
+            stage = j % 2
+            n = j * BN
+            mbarrier.wait(k_bars.index(stage), (j // 2) & 1)
+            mbarrier.wait(v_bar, j & 1)
+            if n + BN > L_k:  # rows past the segment's keys: zero K and V (see the module docstring)
+                U.zero_rows_from(k_smem.index(stage), L_k - n, BN, D, num_warps)
+                U.zero_rows_from(v_smem, L_k - n, BN, D, num_warps)
+                fence_async_shared()
+                gl.thread_barrier()
+            s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(do_smem, v_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+            p = gl.exp2(s * qk_scale - lse2[:, None])
+            if n + BN > m0 + offset + 1:  # only blocks on the causal diagonal need the mask
+                keep = ((n + offs_n)[None, :] <= (m0 + offs_s)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
+                p = gl.where(keep, p, 0.0)
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+            if j + 1 < n_blocks:  # dP_j has read V
+                U.request(v_desc, v_smem, v_bar, k0 + n + BN, col_k)
+            ds = gl.convert_layout((p * (dp - delta_s[:, None])).to(gl.bfloat16), ds_layout)
+            dq_tok = warpgroup_mma(ds, k_smem.index(stage), dq, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ds))[0]
+            if j + 2 < n_blocks:  # dQ += dS K_j has read K's stage
+                U.request(k_desc, k_smem.index(stage), k_bars.index(stage), k0 + n + 2 * BN, col_k)
+        mbarrier.invalidate(qd_bar)
+        mbarrier.invalidate(k_bars.index(0))
+        mbarrier.invalidate(k_bars.index(1))
+        mbarrier.invalidate(v_bar)
+        # Q is no longer read (the last S has completed): stage dQ there for 16-byte row stores
+        q_smem.store((dq * sm_scale).to(DQ.dtype.element_ty))
+        gl.thread_barrier()
+        U.store_rows(q_smem, DQ, q0 + m0, h, sdqt, sdqh, L_q - m0, BM, D, num_warps)

@@ -1,0 +1,44 @@
+"""Gluon helpers shared by the gqa kernels of `gluon_fwd.py` and `gluon_bwd.py` (TMA requests, row stores)."""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+
+@gluon.jit
+def request(desc, smem, bar, row, col):
+    """TMA of one [rows, D] tile into `smem`, completing on `bar`."""
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], bar, smem)
+
+
+@gluon.jit
+def zero_rows(PTR, row0, T, st, sh, h, ROWS: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
+    """PTR[row0 + r, h, :] = 0 for the rows r < ROWS with row0 + r < T (padding rows past the last segment)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    gl.store(PTR + rows.to(gl.int64)[:, None] * st + h * sh + d[None, :],
+             gl.zeros([ROWS, D], PTR.dtype.element_ty, layout), mask=(rows < T)[:, None])
+
+
+@gluon.jit
+def zero_rows_from(smem, first, BM: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
+    """Zero rows [first, BM) of a [BM, D] bf16 tile, 64 columns at a time (few registers)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(D // 64):
+        part = smem.slice(c * 64, 64, dim=1)
+        part.store(gl.where((rows < first)[:, None], part.load(layout), 0.0))
+
+
+@gluon.jit
+def store_rows(smem, PTR, row0, head, st, sh, n_valid, ROWS: gl.constexpr, D: gl.constexpr,
+               num_warps: gl.constexpr):
+    """Rows [0, n_valid) of a [ROWS, D] shared-memory tile to PTR[row0 + r, head, :] (16-byte stores, 64 columns at
+    a time: few registers; stores straight from an MMA layout need a pointer per element, which spilled)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    d = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+    base = PTR + row0.to(gl.int64) * st + head * sh + (r[:, None] * st + d[None, :])
+    for c in gl.static_range(D // 64):
+        gl.store(base + c * 64, smem.slice(c * 64, 64, dim=1).load(layout), mask=(r < n_valid)[:, None])
