@@ -310,8 +310,26 @@ def test_paired_key_tiles_same_bits(monkeypatch):
     assert ops._use_pair(True, 1, 10, None, 1, 1, None, c) and not ops._use_pair(False, 4, 64, 16, 1, 1, None, c)
     # the schedule model at the sm_90a blocks on 132 SMs (H200): 16 x 2048 with 3 query heads over 1 pairs (measured
     # -7.5 % dK/dV), 16 over 2 and 24 over 4 do not (measured +1 % and +7 % paired)
-    assert ops._pair_helps(16, 2048, 1, 3, 132, 64, 128)
-    assert not ops._pair_helps(16, 2048, 2, 8, 132, 64, 128) and not ops._pair_helps(16, 2048, 4, 6, 132, 64, 128)
+    assert ops._order_gain("pair", 16, 2048, 1, 3, 132, 64, 128) < ops.PAIR_GAIN
+    assert ops._order_gain("pair", 16, 2048, 2, 8, 132, 64, 128) > ops.PAIR_GAIN
+    assert ops._order_gain("pair", 16, 2048, 4, 6, 132, 64, 128) > ops.PAIR_GAIN
+
+
+def test_round_order_choice():
+    """ROUND (Gluon dK/dV launch order, never the bits): needs max_seqlen_k and two segments; "auto" only on
+    near-equal documents where the schedule model gains enough. At the sm_90a blocks on 132 SMs (H200): 16 x 2048 with
+    16/2, 8/1 and 3/1 query/kv heads take rounds (measured -3.5, -16, -15 % dK/dV), 24/4 and 4 x 8192 with 32/4 do not
+    (measured +10 and +5 % in rounds)."""
+    from miles_ext_kernels.cake._impl.gqa import ops
+
+    c = dict(BM=64, BN=64)
+    assert not ops._use_round(True, 4, 100, None, 2, 2, None, c) and not ops._use_round(True, 1, 100, 100, 2, 2, None, c)
+    assert ops._use_round(True, 2, 100, 50, 1, 1, None, c) and not ops._use_round(False, 2, 100, 50, 1, 1, None, c)
+    assert not ops._use_round("auto", 4, 100, 60, 2, 2, None, c)  # documents far from equal
+    for h_kv, group in ((2, 8), (1, 8), (1, 3)):
+        assert ops._order_gain("round", 16, 2048, h_kv, group, 132, 64, 64) < ops.ROUND_GAIN
+    assert ops._order_gain("round", 16, 2048, 4, 6, 132, 64, 64) > ops.ROUND_GAIN
+    assert ops._order_gain("round", 4, 8192, 4, 8, 132, 64, 64) > ops.ROUND_GAIN
 
 
 def test_gluon_forward_route_condition():

@@ -259,6 +259,28 @@ def test_gluon_backward_matches_triton_kernels():
             assert bool(got.isfinite().all()) and torch.equal(got[n:], torch.zeros_like(got[n:]))
 
 
+def test_gluon_dkdv_round_order_same_bits():
+    """The Gluon dK/dV pass in ROUND order (tile j of every segment before tile j + 1 of any; picked per call on
+    near-equal documents) and segment by segment give the same bits; padding rows 0; a larger max_seqlen_k only adds
+    programs that do nothing."""
+    from miles_ext_kernels.cake._impl.gqa import ops
+
+    lens_q, lens_k = [640, 600, 0, 700], [640, 650, 0, 700]
+    q, k, v, do, cq, ck = _inputs(lens_q, lens_k, 8, 2, pad_q=30, pad_k=50, seed=25)
+    out, lse = ops.gqa_forward(q, k, v, cq, ck, SCALE)
+    got = []
+    for rounds, max_k in ((True, 700), (True, 2000), (False, 700)):
+        c = dict(ops.CONFIGS["sm_90a"])
+        c["dkdv_gluon"] = dict(c["dkdv_gluon"], ROUND=rounds)
+        assert ops._use_round(c["dkdv_gluon"]["ROUND"], 4, k.shape[0], max_k, 2, 4, q.device, c["dkdv_gluon"]) \
+            == rounds
+        got.append(ops.gqa_backward(do, q, k, v, out, lse, cq, ck, SCALE, "det", cfg=c, max_seqlen_k=max_k))
+    for other in got[1:]:
+        _equal(got[0], other, names=("dq", "dk", "dv"))
+    dk = got[0][1]
+    assert bool(dk.isfinite().all()) and torch.equal(dk[sum(lens_k):], torch.zeros_like(dk[sum(lens_k):]))
+
+
 def test_paired_key_tiles_same_bits(monkeypatch):
     """The Triton dK/dV kernel (the route for operands the Gluon pass cannot read) with paired key tiles (i, n-1-i per
     program: chosen per call on near-equal documents) and with one tile per program give the same bits at the sm_90a

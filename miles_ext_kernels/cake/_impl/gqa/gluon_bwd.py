@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from . import gluon_util as U
 from . import kernels as K
 
-_RUNTIME = ["sm_scale", "T_q", "T_k", "n_seg", "n_iter", "H_kv", "group"]  # never specialized
+_RUNTIME = ["sm_scale", "T_q", "T_k", "n_seg", "n_iter", "H_kv", "group", "n_kt_max"]  # never specialized
 
 
 @gluon.jit
@@ -231,25 +231,41 @@ def _dkdv_dp_dk(v_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_em
 
 @gluon.jit(do_not_specialize=_RUNTIME)
 def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, CU_Q, CU_K, TS, sm_scale, T_q, T_k, n_seg,
-                n_iter, H_kv, group, sdkt, sdkh, sdvt, sdvh, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                num_warps: gl.constexpr):
+                n_iter, H_kv, group, n_kt_max, sdkt, sdkh, sdvt, sdvh, D: gl.constexpr, BM: gl.constexpr,
+                BN: gl.constexpr, ROUND: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV of one BN-key tile of one segment and one kv head (`num_warps` = 4: the default partition; the
-    kernel runs 4 + 4 + 1 warps). Programs past the last tile zero the padding rows (tokens past cu_seqlens_k[-1])."""
+    kernel runs 4 + 4 + 1 warps). Order of the programs (never the bits): segment by segment, key tiles in order
+    (TS: tiles before each segment), or with ROUND tile j of every segment before tile j + 1 of any (`n_kt_max` =
+    tiles of the longest segment; programs of a round past a segment's last tile do nothing): on equal documents the
+    heaviest tiles of the last segments then no longer start last. Programs past those zero the padding rows (tokens
+    past cu_seqlens_k[-1])."""
     pid = gl.program_id(0)
     hk = pid % H_kv
     t = pid // H_kv
-    total = gl.load(TS + n_seg)
-    if t >= total:  # padding rows past cu_seqlens_k[-1]: dK, dV 0
-        row0 = gl.load(CU_K + n_seg) + (t - total) * BN
+    if ROUND:
+        n_real = n_kt_max * n_seg
+    else:
+        n_real = gl.load(TS + n_seg)
+    if t >= n_real:  # padding rows past cu_seqlens_k[-1]: dK, dV 0
+        row0 = gl.load(CU_K + n_seg) + (t - n_real) * BN
         U.zero_rows(DK, row0, T_k, sdkt, sdkh, hk, BN, D, num_warps)
         U.zero_rows(DV, row0, T_k, sdvt, sdvh, hk, BN, D, num_warps)
     else:
-        local, k0, L_k, q0, L_q = K._find_tile(TS, CU_K, CU_Q, t, n_seg, n_iter, False)
+        if ROUND:
+            seg = t % n_seg
+            local = t // n_seg
+            k0 = gl.load(CU_K + seg)
+            L_k = gl.load(CU_K + seg + 1) - k0
+            q0 = gl.load(CU_Q + seg)
+            L_q = gl.load(CU_Q + seg + 1) - q0
+        else:
+            local, k0, L_k, q0, L_q = K._find_tile(TS, CU_K, CU_Q, t, n_seg, n_iter, False)
         n0 = local * BN
         offset = L_k - L_q
         # query blocks (aligned to the segment start) that see some key of the tile: [m_lo, L_q)
         m_lo = (gl.maximum(n0 - offset, 0) // BM) * BM
         n_m = gl.maximum((L_q - m_lo + BM - 1) // BM, 0)
+        n_m = gl.where(n0 < L_k, n_m, 0)  # ROUND: past the segment's last tile, no steps and no rows stored
         qk_scale = sm_scale * 1.4426950408889634
 
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [BN, D], k_desc.layout)

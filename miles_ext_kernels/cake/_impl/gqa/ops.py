@@ -47,7 +47,9 @@ CONFIGS = {
         # the Gluon dK/dV pass (gluon_bwd.py: a TMA loader warp and two warpgroups, one per accumulator); 4 warps
         # is its default partition (the kernel runs 4 + 4 + 1 warps, 168 registers a thread before reallocation:
         # 240 for each warpgroup, 24 for the loader). Operands the Gluon forward cannot read take "dkdv" above
-        "dkdv_gluon": dict(BM=64, BN=64, num_warps=4, maxnreg=168),
+        # ROUND "auto": on near-equal documents, tile j of every segment runs before tile j + 1 of any (the heaviest
+        # tiles of the last segments no longer start last); the order of programs only, never the bits
+        "dkdv_gluon": dict(BM=64, BN=64, num_warps=4, maxnreg=168, ROUND="auto"),
         "delta": dict(BR=32, num_warps=4, num_stages=1),
         "prefix": dict(BLOCK=1024, num_warps=4, num_stages=1),
         "cast": dict(BLOCK=4096, num_warps=4, num_stages=1),
@@ -67,22 +69,28 @@ CONFIGS = {
 FAST_FUSED_DQ = {"sm_90a": False, INTERPRETER_ARCH: False}
 
 SCRATCH_ROLE = (OP_NAME, "bwd_scratch")
-PAIR_MAX_WAVES = 12  # PAIR "auto" models the schedule only up to this many dK/dV programs per SM
-# ... and pairs only where the model's makespan drops below this fraction: on the H200 the paired kernel spills a
+SCHEDULE_MAX_WAVES = 12  # "auto" orders are modelled only up to this many dK/dV programs per SM
+# PAIR "auto" pairs only where the model's makespan drops below this fraction: on the H200 the paired kernel spills a
 # little more, and a predicted -20 % (16 x 2048, 3 query heads over 1) measured -7.5 % while a predicted -7 %
 # (16 x 2048, 16 over 2) measured +1 % (H200, triton 3.6, 2026-11-30)
 PAIR_GAIN = 0.85
+# ROUND "auto" (Gluon dK/dV) orders by rounds only where the model's makespan drops below this fraction: rounds
+# spread the running programs over every segment and kv head, which costs L2 locality: predicted -9 / -20 / -20 %
+# measured -3.5 / -16 / -15 % (16 x 2048 with 16/2, 8/1, 3/1 query/kv heads), while predicted +0.4 % measured +10 %
+# (24/4) and a forced round order on the irregular layout +18 % (H200, triton 3.6, 2026-11-30)
+ROUND_GAIN = 0.95
 
 
 @functools.lru_cache(maxsize=256)
-def _pair_helps(n_seg: int, length: int, h_kv: int, group: int, n_sm: int, bn: int, bm: int) -> bool:
-    """Whether pairing key tiles (i, n-1-i) shortens the dK/dV schedule of `n_seg` documents of `length` tokens:
-    greedy list schedule of the programs on `n_sm` SMs (one program per SM at a time), cost = query blocks each
-    program runs. Only the launch order depends on it, never the bits."""
+def _order_gain(order: str, n_seg: int, length: int, h_kv: int, group: int, n_sm: int, bn: int, bm: int) -> float:
+    """Makespan of the dK/dV programs of `n_seg` documents of `length` tokens in `order` ("pair": a program takes key
+    tiles i and n-1-i; "round": tile j of every segment before tile j + 1 of any), over that of the plain order
+    (segment by segment, tiles in order, kv heads inner): greedy list schedule on `n_sm` SMs (one program per SM at
+    a time), cost = the query blocks a program runs. Only the launch order depends on it, never the bits."""
     n_kt = -(-length // bn)
 
     def cost(j):
-        return group * -(-(length - (j * bn // bm) * bm) // bm)
+        return group * -(-(length - (j * bn // bm) * bm) // bm) + 1.0
 
     def makespan(costs):
         sms = [0.0] * n_sm
@@ -91,24 +99,42 @@ def _pair_helps(n_seg: int, length: int, h_kv: int, group: int, n_sm: int, bn: i
             heapq.heappush(sms, heapq.heappop(sms) + c)
         return max(sms)
 
-    single = [cost(j) + 1.0 for _ in range(n_seg) for j in range(n_kt) for _ in range(h_kv)]
-    paired = [cost(i) + (cost(n_kt - 1 - i) if n_kt - 1 - i != i else 0) + 1.0
-              for _ in range(n_seg) for i in range(-(-n_kt // 2)) for _ in range(h_kv)]
-    return makespan(paired) < PAIR_GAIN * makespan(single)
+    plain = [cost(j) for _ in range(n_seg) for j in range(n_kt) for _ in range(h_kv)]
+    if order == "pair":
+        other = [cost(i) + (cost(n_kt - 1 - i) - 1.0 if n_kt - 1 - i != i else 0)
+                 for _ in range(n_seg) for i in range(-(-n_kt // 2)) for _ in range(h_kv)]
+    else:
+        other = [cost(j) for j in range(n_kt) for _ in range(n_seg) for _ in range(h_kv)]
+    return makespan(other) / makespan(plain)
+
+
+def _auto_order(order, B, T_k, max_seqlen_k, H_kv, group, device, bn, bm, gain) -> bool:
+    """"auto" for PAIR / ROUND: only on documents that look equal (B * max_seqlen_k within 10 % of T_k, so every
+    document is near max_seqlen_k long), at most SCHEDULE_MAX_WAVES programs per SM (more: the tail is short anyway,
+    and the model would cost ms), and where the model's makespan drops below `gain`."""
+    if max_seqlen_k is None or B < 2 or max_seqlen_k <= 0 or not T_k * 0.9 <= B * max_seqlen_k <= T_k * 1.1:
+        return False
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    if B * cdiv(max_seqlen_k, bn) * H_kv > SCHEDULE_MAX_WAVES * n_sm:
+        return False
+    return _order_gain(order, B, max_seqlen_k, H_kv, group, n_sm, bn, bm) < gain
 
 
 def _use_pair(mode, B, T_k, max_seqlen_k, H_kv, group, device, c) -> bool:
-    """PAIR config: True / False, or "auto": pair when the documents look equal (B * max_seqlen_k close to T_k, so
-    every document is near max_seqlen_k long) and the schedule model says pairing shortens the launch."""
+    """PAIR config of the Triton dK/dV kernel: True / False, or "auto" (`_auto_order`)."""
     if mode != "auto":
         return bool(mode)
-    if max_seqlen_k is None or B < 2 or max_seqlen_k <= 0 or B * max_seqlen_k > T_k * 1.1 \
-            or B * max_seqlen_k < T_k * 0.9:
+    return _auto_order("pair", B, T_k, max_seqlen_k, H_kv, group, device, c["BN"], c["BM"], PAIR_GAIN)
+
+
+def _use_round(mode, B, T_k, max_seqlen_k, H_kv, group, device, c) -> bool:
+    """ROUND config of the Gluon dK/dV pass: True / False, or "auto" (`_auto_order`). Needs the caller's
+    max_seqlen_k (it sizes the grid) and two segments."""
+    if max_seqlen_k is None or B < 2 or max_seqlen_k <= 0:
         return False
-    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    if B * cdiv(max_seqlen_k, c["BN"]) * H_kv > PAIR_MAX_WAVES * n_sm:
-        return False  # many programs per SM: the launch's tail is short anyway (and the model would cost ms)
-    return _pair_helps(B, max_seqlen_k, H_kv, group, n_sm, c["BN"], c["BM"])
+    if mode != "auto":
+        return bool(mode)
+    return _auto_order("round", B, T_k, max_seqlen_k, H_kv, group, device, c["BN"], c["BM"], ROUND_GAIN)
 
 
 # The kernels form `head * head_stride` and `row_in_tile * token_stride` in int32 (only a tile's first token offset is
@@ -282,18 +308,22 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
              and _gluon_bwd_fits(q, k, v, do))
     pair = "dkdv" in parts and not gluon and _use_pair(ckv.get("PAIR", False), B, T_k, max_seqlen_k, H_kv, group,
                                                        q.device, ckv)
+    rounds = gluon and _use_round(cg.get("ROUND", False), B, T_k, max_seqlen_k, H_kv, group, q.device, cg)
     tile_k = (cg["BN"] if gluon else ckv["BN"]) * (2 if pair else 1)  # PAIR: the prefix counts pairs of key tiles
-    upper_k = cdiv(T_k, tile_k) + B
+    n_kt_max = cdiv(max_seqlen_k, tile_k) if rounds else 0
+    # ROUND: n_kt_max programs per segment, then the padding programs (at most one per tile of T_k)
+    upper_k = n_kt_max * B + cdiv(T_k, tile_k) if rounds else cdiv(T_k, tile_k) + B
     if fused:
         dqa.zero_()
     if upper_k * H_kv > 0 and "dkdv" in parts:
-        _prefix(cu_k, ts_k, tile_k, cfg)
+        if not rounds:
+            _prefix(cu_k, ts_k, tile_k, cfg)
         if gluon:
             GB.dkdv_kernel[(upper_k * H_kv,)](
                 _gluon_desc(q, cg["BM"]), _gluon_desc(k, cg["BN"]), _gluon_desc(v, cg["BN"]), _gluon_desc(do, cg["BM"]),
                 lse, delta, dk, dv, cu_q, cu_k, ts_k, float(scale), T_q, T_k, B, B.bit_length(), H_kv, group,
-                dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
+                n_kt_max, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                D=D, BM=cg["BM"], BN=cg["BN"], ROUND=rounds, num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
         else:
             sat, sah = H_q * D, D
             K._bwd_dkdv_kernel[(upper_k * H_kv,)](
@@ -356,10 +386,12 @@ def routes(**model_params):
                          "bwd_dq_gluon"))
     cb = cfg.get("dkdv_gluon")
     if cb is not None and GB is not None:
-        out.append(Route(GB.dkdv_kernel, (desc(cb["BM"]), desc(cb["BN"]), desc(cb["BN"]), desc(cb["BM"]), f32, f32,
-                                          bf, bf, i32, i32, i32, 0.0625, n, n, n, n, n, n, st, sh, st, sh), (1,),
-                         {"D": HEAD_DIM, "BM": cb["BM"], "BN": cb["BN"], "num_warps": cb["num_warps"],
-                          "maxnreg": cb["maxnreg"]}, "bwd_dkdv_gluon"))
+        for rounds in {"auto": (False, True), True: (True,), False: (False,)}[cb.get("ROUND", False)]:
+            out.append(Route(GB.dkdv_kernel, (desc(cb["BM"]), desc(cb["BN"]), desc(cb["BN"]), desc(cb["BM"]), f32,
+                                              f32, bf, bf, i32, i32, i32, 0.0625, n, n, n, n, n, n, n, st, sh, st, sh),
+                             (1,), {"D": HEAD_DIM, "BM": cb["BM"], "BN": cb["BN"], "ROUND": rounds,
+                                    "num_warps": cb["num_warps"], "maxnreg": cb["maxnreg"]},
+                             f"bwd_dkdv_gluon{'_round' if rounds else ''}"))
     if FAST_FUSED_DQ[arch]:
         c = cfg["delta"]
         out.append(Route(K._bwd_delta_kernel, (bf, bf, f32, n, n) + (st, sh) * 2, (1,),
