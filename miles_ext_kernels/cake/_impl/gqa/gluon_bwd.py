@@ -30,9 +30,11 @@ faster than the Triton kernel.
 single-buffered (224 KB); S = Q K^T and dP = dO V^T issued back to back, P computed while dP runs; K and V rows past
 the segment zeroed in shared memory (dQ += dS K contracts over keys).
 
-Bits: both kernels use the Triton kernels' tiles and order of operations, so dK and dV are the Triton kernel's bits
-and dQ differs from it only through delta (reduced in another register layout); all repeat bit for bit and do not
-depend on the pack (tiles start at segment starts, nothing depends on T or B).
+Bits: fixed tiles that start at segment starts and a fixed order of steps, so dQ, dK and dV repeat bit for bit and
+do not depend on the pack or on the launch order. dK and dV equal the Triton dK/dV kernel's bits: its 128-row query
+blocks are 64-row blocks here, but the products contract over the same query rows in the same 16-row chunks and
+order, and the extra rows the Triton kernel covers before the first block seen here are causally masked to exact
+zeros (GPU test). dQ differs from the Triton dQ only through delta, reduced here in the MMA register layout.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -93,6 +95,8 @@ def _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM: gl.constexpr,
     lse2 = _query_vec(LSE, h, T_q, q0, m, L_q, BM, s_layout) * 1.4426950408889634
     lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that see no key: P = 0
     p = gl.exp2(st * qk_scale - lse2[None, :])
+    # a `where`, never a product: the S^T columns of query rows past the segment may be NaN (warpgroup 0 issues S^T
+    # right after zeroing those Q rows, and the padding rows themselves may hold anything)
     if (n0 + BN > m + offset + 1) or (m + BM > L_q):  # diagonal block, or the segment's last, partial block
         offs_k = gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
         keep = ((n0 + offs_k)[:, None] <= (m + offs_q)[None, :] + offset) & ((m + offs_q) < L_q)[None, :]
@@ -232,26 +236,29 @@ def _dkdv_dp_dk(v_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_em
 @gluon.jit(do_not_specialize=_RUNTIME)
 def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, CU_Q, CU_K, TS, sm_scale, T_q, T_k, n_seg,
                 n_iter, H_kv, group, n_kt_max, sdkt, sdkh, sdvt, sdvh, D: gl.constexpr, BM: gl.constexpr,
-                BN: gl.constexpr, ROUND: gl.constexpr, num_warps: gl.constexpr):
-    """dK, dV of one BN-key tile of one segment and one kv head (`num_warps` = 4: the default partition; the
-    kernel runs 4 + 4 + 1 warps). Order of the programs (never the bits): segment by segment, key tiles in order
-    (TS: tiles before each segment), or with ROUND tile j of every segment before tile j + 1 of any (`n_kt_max` =
-    tiles of the longest segment; programs of a round past a segment's last tile do nothing): on equal documents the
-    heaviest tiles of the last segments then no longer start last. Programs past those zero the padding rows (tokens
-    past cu_seqlens_k[-1])."""
+                BN: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV of one BN-key tile of one segment and one kv head. `num_warps` = 4 is the default partition; the CTA
+    has 12 warps (4 + 4 + the loader warp, which takes a warpgroup of its own: registers are allotted per warpgroup).
+
+    Programs, in launch order (the order never changes the bits):
+    - n_kt_max * n_seg "round" programs (ROUND; n_kt_max = 0 otherwise): tile j of every segment before tile j + 1 of
+      any, so that on equal documents the heaviest tiles of the last segments do not start last; a round past a
+      segment's last tile does nothing;
+    - one program per key tile, segment by segment (TS: tiles before each segment): with ROUND only the tiles no
+      round covered do work (none, unless max_seqlen_k understated a segment: the result never depends on it);
+    - programs past those zero the padding rows (tokens past cu_seqlens_k[-1])."""
     pid = gl.program_id(0)
     hk = pid % H_kv
     t = pid // H_kv
-    if ROUND:
-        n_real = n_kt_max * n_seg
-    else:
-        n_real = gl.load(TS + n_seg)
-    if t >= n_real:  # padding rows past cu_seqlens_k[-1]: dK, dV 0
-        row0 = gl.load(CU_K + n_seg) + (t - n_real) * BN
+    n_round = n_kt_max * n_seg
+    u = t - n_round
+    total = gl.load(TS + n_seg)
+    if u >= total:  # padding rows past cu_seqlens_k[-1]: dK, dV 0
+        row0 = gl.load(CU_K + n_seg) + (u - total) * BN
         U.zero_rows(DK, row0, T_k, sdkt, sdkh, hk, BN, D, num_warps)
         U.zero_rows(DV, row0, T_k, sdvt, sdvh, hk, BN, D, num_warps)
     else:
-        if ROUND:
+        if t < n_round:
             seg = t % n_seg
             local = t // n_seg
             k0 = gl.load(CU_K + seg)
@@ -259,13 +266,16 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, CU_Q, CU_K,
             q0 = gl.load(CU_Q + seg)
             L_q = gl.load(CU_Q + seg + 1) - q0
         else:
-            local, k0, L_k, q0, L_q = K._find_tile(TS, CU_K, CU_Q, t, n_seg, n_iter, False)
+            local, k0, L_k, q0, L_q = K._find_tile(TS, CU_K, CU_Q, u, n_seg, n_iter, False)
         n0 = local * BN
         offset = L_k - L_q
+        # no work: a round past the segment's last tile, or a tile a round has computed
+        idle = (n0 >= L_k) | ((t >= n_round) & (local < n_kt_max))
+        L_k_out = gl.where(idle, n0, L_k)  # rows [n0, L_k_out) are stored: none when idle
         # query blocks (aligned to the segment start) that see some key of the tile: [m_lo, L_q)
         m_lo = (gl.maximum(n0 - offset, 0) // BM) * BM
         n_m = gl.maximum((L_q - m_lo + BM - 1) // BM, 0)
-        n_m = gl.where(n0 < L_k, n_m, 0)  # ROUND: past the segment's last tile, no steps and no rows stored
+        n_m = gl.where(idle, 0, n_m)
         qk_scale = sm_scale * 1.4426950408889634
 
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [BN, D], k_desc.layout)
@@ -291,10 +301,10 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, CU_Q, CU_K,
             mbarrier.init(p_empty.index(i), count=1)
         gl.warp_specialize([
             (_dkdv_s_dv, (k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, p_full,
-                      p_empty, LSE, DV, T_q, q0, k0, n0, L_q, L_k, offset, hk, group, m_lo, n_m, qk_scale, sdvt,
+                      p_empty, LSE, DV, T_q, q0, k0, n0, L_q, L_k_out, offset, hk, group, m_lo, n_m, qk_scale, sdvt,
                       sdvh, D, BM, BN)),
             (_dkdv_dp_dk, (v_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, p_full,
-                      p_empty, DELTA, DK, T_q, q0, k0, n0, L_q, L_k, hk, group, m_lo, n_m, sm_scale, sdkt, sdkh,
+                      p_empty, DELTA, DK, T_q, q0, k0, n0, L_q, L_k_out, hk, group, m_lo, n_m, sm_scale, sdkt, sdkh,
                       D, BM, BN)),
             (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
                             do_ready, q_empty, do_empty, k0, n0, q0, hk, group, m_lo, n_m, D, BM)),

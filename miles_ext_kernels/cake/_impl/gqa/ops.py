@@ -45,8 +45,9 @@ CONFIGS = {
         # shortens it (near-equal documents, few programs per SM); the bits are the same either way
         "dkdv": dict(BM=128, BN=64, num_warps=8, num_stages=1, S_ROWS=True, PAIR="auto"),
         # the Gluon dK/dV pass (gluon_bwd.py: a TMA loader warp and two warpgroups, one per accumulator); 4 warps
-        # is its default partition (the kernel runs 4 + 4 + 1 warps, 168 registers a thread before reallocation:
-        # 240 for each warpgroup, 24 for the loader). Operands the Gluon forward cannot read take "dkdv" above
+        # is its default partition (the CTA has 12 warps: 4 + 4 + the loader's warpgroup; 168 registers a thread
+        # before reallocation, then 240 for each compute warpgroup and 24 for the loader's). Operands the Gluon
+        # forward cannot read take "dkdv" above
         # ROUND "auto": on near-equal documents, tile j of every segment runs before tile j + 1 of any (the heaviest
         # tiles of the last segments no longer start last); the order of programs only, never the bits
         "dkdv_gluon": dict(BM=64, BN=64, num_warps=4, maxnreg=168, ROUND="auto"),
@@ -250,7 +251,8 @@ def _align(n: int) -> int:
 def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, cfg=None, fused=None,
                  parts=("delta", "dkdv", "dq"), max_seqlen_k=None):
     """(dq, dk, dv) in the dtypes of q, k, v. `cfg`, `fused` and `parts` override the config (benchmarks only).
-    `max_seqlen_k` (the caller's contract) lets the dK/dV launch pair key tiles (config PAIR "auto")."""
+    `max_seqlen_k` (the caller's contract) lets the dK/dV launch pair key tiles (Triton, config PAIR "auto") or run
+    in rounds (Gluon, ROUND "auto"); neither changes the bits, whatever value is given."""
     arch = check_device(q, "q")
     cfg = cfg or CONFIGS[arch]
     if fused is None:
@@ -310,20 +312,20 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
                                                        q.device, ckv)
     rounds = gluon and _use_round(cg.get("ROUND", False), B, T_k, max_seqlen_k, H_kv, group, q.device, cg)
     tile_k = (cg["BN"] if gluon else ckv["BN"]) * (2 if pair else 1)  # PAIR: the prefix counts pairs of key tiles
+    # ROUND: n_kt_max programs per segment first (the grid's size only: the Gluon kernel's per-tile programs that
+    # follow cover any tile past them, so an understated max_seqlen_k changes the order, never the result)
     n_kt_max = cdiv(max_seqlen_k, tile_k) if rounds else 0
-    # ROUND: n_kt_max programs per segment, then the padding programs (at most one per tile of T_k)
-    upper_k = n_kt_max * B + cdiv(T_k, tile_k) if rounds else cdiv(T_k, tile_k) + B
+    upper_k = n_kt_max * B + cdiv(T_k, tile_k) + B
     if fused:
         dqa.zero_()
     if upper_k * H_kv > 0 and "dkdv" in parts:
-        if not rounds:
-            _prefix(cu_k, ts_k, tile_k, cfg)
+        _prefix(cu_k, ts_k, tile_k, cfg)
         if gluon:
             GB.dkdv_kernel[(upper_k * H_kv,)](
                 _gluon_desc(q, cg["BM"]), _gluon_desc(k, cg["BN"]), _gluon_desc(v, cg["BN"]), _gluon_desc(do, cg["BM"]),
                 lse, delta, dk, dv, cu_q, cu_k, ts_k, float(scale), T_q, T_k, B, B.bit_length(), H_kv, group,
                 n_kt_max, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                D=D, BM=cg["BM"], BN=cg["BN"], ROUND=rounds, num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
+                D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
         else:
             sat, sah = H_q * D, D
             K._bwd_dkdv_kernel[(upper_k * H_kv,)](
@@ -386,12 +388,11 @@ def routes(**model_params):
                          "bwd_dq_gluon"))
     cb = cfg.get("dkdv_gluon")
     if cb is not None and GB is not None:
-        for rounds in {"auto": (False, True), True: (True,), False: (False,)}[cb.get("ROUND", False)]:
-            out.append(Route(GB.dkdv_kernel, (desc(cb["BM"]), desc(cb["BN"]), desc(cb["BN"]), desc(cb["BM"]), f32,
-                                              f32, bf, bf, i32, i32, i32, 0.0625, n, n, n, n, n, n, n, st, sh, st, sh),
-                             (1,), {"D": HEAD_DIM, "BM": cb["BM"], "BN": cb["BN"], "ROUND": rounds,
-                                    "num_warps": cb["num_warps"], "maxnreg": cb["maxnreg"]},
-                             f"bwd_dkdv_gluon{'_round' if rounds else ''}"))
+        # (one route for both launch orders: ROUND only changes the runtime n_kt_max and the grid)
+        out.append(Route(GB.dkdv_kernel, (desc(cb["BM"]), desc(cb["BN"]), desc(cb["BN"]), desc(cb["BM"]), f32, f32,
+                                          bf, bf, i32, i32, i32, 0.0625, n, n, n, n, n, n, n, st, sh, st, sh), (1,),
+                         {"D": HEAD_DIM, "BM": cb["BM"], "BN": cb["BN"], "num_warps": cb["num_warps"],
+                          "maxnreg": cb["maxnreg"]}, "bwd_dkdv_gluon"))
     if FAST_FUSED_DQ[arch]:
         c = cfg["delta"]
         out.append(Route(K._bwd_delta_kernel, (bf, bf, f32, n, n) + (st, sh) * 2, (1,),
