@@ -105,6 +105,26 @@ def _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM: gl.constexpr,
 
 
 @gluon.jit
+def _wait_q_do(q_smem, do_smem, q_ready, do_ready, stage, phase, m, L_q, BM: gl.constexpr, D: gl.constexpr):
+    """Warpgroup 0, before S^T of a step: wait for its Q tile; on a segment's last, partial query block also for its
+    dO tile, and zero the rows past the segment in both (fenced for the asynchronous readers)."""
+    mbarrier.wait(q_ready.index(stage), phase)
+    if m + BM > L_q:
+        mbarrier.wait(do_ready.index(stage), phase)
+        U.zero_rows_from(q_smem.index(stage), L_q - m, BM, D, 4)
+        U.zero_rows_from(do_smem.index(stage), L_q - m, BM, D, 4)
+        fence_async_shared()
+
+
+@gluon.jit
+def _publish_p(p, p_smem, p_full, p_empty, stage, free_phase):
+    """Warpgroup 0: P^T (fp32) into `stage` once warpgroup 1 has released it, then signal it."""
+    mbarrier.wait(p_empty.index(stage), free_phase)
+    p_smem.index(stage).store(p)
+    mbarrier.arrive(p_full.index(stage), count=1)
+
+
+@gluon.jit
 def _dkdv_s_dv(k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, p_full, p_empty, LSE,
            DV, T_q, q0, k0, n0, L_q, L_k, offset, hk, group, m_lo, n_m, qk_scale, sdvt, sdvh,
            D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
@@ -120,19 +140,12 @@ def _dkdv_s_dv(k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_emp
     mbarrier.wait(kv_bar, 0)
     if n_steps > 0:
         h, m = _step(0, n_m, m_lo, hk, group, BM)
-        mbarrier.wait(q_ready.index(0), 0)
-        if m + BM > L_q:
-            mbarrier.wait(do_ready.index(0), 0)
-            U.zero_rows_from(q_smem.index(0), L_q - m, BM, D, 4)
-            U.zero_rows_from(do_smem.index(0), L_q - m, BM, D, 4)
-            fence_async_shared()
+        _wait_q_do(q_smem, do_smem, q_ready, do_ready, 0, 0, m, L_q, BM, D)
         st = warpgroup_mma(k_smem, q_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         mbarrier.arrive(q_empty.index(0), count=1)
         p = _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM, BN, s_layout)
-        mbarrier.wait(p_empty.index(0), 1)
-        p_smem.index(0).store(p)
-        mbarrier.arrive(p_full.index(0), count=1)
+        _publish_p(p, p_smem, p_full, p_empty, 0, 1)
         pa = gl.convert_layout(p.to(gl.bfloat16), a_layout)
         for i in range(n_steps):
             s = i % 2
@@ -141,12 +154,7 @@ def _dkdv_s_dv(k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_emp
             nphase = ((i + 1) // 2) & 1
             if i + 1 < n_steps:
                 h, m = _step(i + 1, n_m, m_lo, hk, group, BM)
-                mbarrier.wait(q_ready.index(ns), nphase)
-                if m + BM > L_q:
-                    mbarrier.wait(do_ready.index(ns), nphase)
-                    U.zero_rows_from(q_smem.index(ns), L_q - m, BM, D, 4)
-                    U.zero_rows_from(do_smem.index(ns), L_q - m, BM, D, 4)
-                    fence_async_shared()
+                _wait_q_do(q_smem, do_smem, q_ready, do_ready, ns, nphase, m, L_q, BM, D)
                 st_tok = warpgroup_mma(k_smem, q_smem.index(ns).permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
                 mbarrier.wait(do_ready.index(s), phase)
@@ -156,9 +164,7 @@ def _dkdv_s_dv(k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_emp
                 st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
                 mbarrier.arrive(q_empty.index(ns), count=1)
                 p = _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM, BN, s_layout)
-                mbarrier.wait(p_empty.index(ns), nphase ^ 1)
-                p_smem.index(ns).store(p)
-                mbarrier.arrive(p_full.index(ns), count=1)
+                _publish_p(p, p_smem, p_full, p_empty, ns, nphase ^ 1)
                 dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, pa))[0]
                 mbarrier.arrive(do_empty.index(s), count=1)
                 pa = gl.convert_layout(p.to(gl.bfloat16), a_layout)
@@ -333,12 +339,8 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, O, LSE, DELTA, DQ, CU_Q, CU_K, TS
     if t >= total:  # padding rows past cu_seqlens_q[-1]: dQ 0
         U.zero_rows(DQ, gl.load(CU_Q + n_seg) + (t - total) * BM, T_q, sdqt, sdqh, h, BM, D, num_warps)
     else:
-        local, q0, L_q, k0, L_k = K._find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)
-        m0 = local * BM
-        offset = L_k - L_q
+        q0, L_q, k0, L_k, m0, offset, n_blocks = U.query_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, BM, BN)
         qk_scale = sm_scale * 1.4426950408889634
-        hi = gl.maximum(gl.minimum(L_k, m0 + BM + offset), 0)
-        n_blocks = (hi + BN - 1) // BN
         col_q = h * D
         col_k = hk * D
 

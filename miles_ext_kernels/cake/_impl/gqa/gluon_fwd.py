@@ -23,7 +23,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from . import gluon_util as U
-from . import kernels as K
 
 _RUNTIME = ["sm_scale", "T_q", "n_seg", "n_iter", "H_q", "group"]  # never specialized (a finite set of routes)
 
@@ -68,12 +67,8 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale,
         gl.store(LSE + h.to(gl.int64) * T_q + z_rows, gl.full([BM], float("-inf"), gl.float32,
                                                               gl.SliceLayout(1, row_layout)), mask=z_rows < T_q)
     else:
-        local, q0, L_q, k0, L_k = K._find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)  # scalar code, shared
-        m0 = local * BM
-        offset = L_k - L_q
+        q0, L_q, k0, L_k, m0, offset, n_blocks = U.query_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, BM, BN)
         qk_scale = sm_scale * 1.4426950408889634
-        hi = gl.maximum(gl.minimum(L_k, m0 + BM + offset), 0)
-        n_blocks = (hi + BN - 1) // BN
         col_q = h * D
         col_k = hk * D
 

@@ -3,6 +3,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from . import kernels as K
+
 
 @gluon.jit
 def request(desc, smem, bar, row, col):
@@ -42,3 +44,15 @@ def store_rows(smem, PTR, row0, head, st, sh, n_valid, ROWS: gl.constexpr, D: gl
     base = PTR + row0.to(gl.int64) * st + head * sh + (r[:, None] * st + d[None, :])
     for c in gl.static_range(D // 64):
         gl.store(base + c * 64, smem.slice(c * 64, 64, dim=1).load(layout), mask=(r < n_valid)[:, None])
+
+
+@gluon.jit
+def query_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, BM: gl.constexpr, BN: gl.constexpr):
+    """The query tile t (heaviest first within its segment: `kernels._find_tile`) of the forward and the dQ pass:
+    its segment's query start q0 and length L_q, key start k0 and length L_k, the tile's first row m0, the causal
+    offset L_k - L_q, and the number of BN-key blocks it sees."""
+    local, q0, L_q, k0, L_k = K._find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)  # scalar code, shared
+    m0 = local * BM
+    offset = L_k - L_q
+    hi = gl.maximum(gl.minimum(L_k, m0 + BM + offset), 0)
+    return q0, L_q, k0, L_k, m0, offset, (hi + BN - 1) // BN
