@@ -201,34 +201,42 @@ def test_packing_invariance():
 
 
 
-def test_gluon_forward_matches_triton_forward_bits():
-    """The sm_90a forward runs the Gluon kernel (TMA, asynchronous wgmma); the Triton kernel remains the route for
-    operands whose heads are not contiguous within a row. Both give the same out and LSE bits, on edge layouts:
-    padding rows, an empty segment, fewer keys than queries, partial tiles, NaN in the padding rows of q, k, v
-    (past cu_seqlens[-1]: the Gluon kernel reads them by TMA and must not let them reach a real row)."""
+def test_gluon_forward_matches_triton_forward_bits(monkeypatch):
+    """The sm_90a forward runs the Gluon kernel (a loader warp and one partition per 64-row warpgroup); the Triton
+    kernel remains the route for operands whose heads are not contiguous within a row. Both give the same out and LSE
+    bits, on edge layouts: padding rows, an empty segment, fewer keys than queries (and more), partial tiles of 1, 63,
+    64, 65 and 127 rows (warpgroup 1 with no valid row; warpgroup 0 stopping a key block early), NaN in the padding
+    rows of q, k, v (past cu_seqlens[-1]: the Gluon kernel reads them by TMA and must not let them reach a real row)."""
     from miles_ext_kernels.cake._impl.gqa import ops
 
-    lens_q, lens_k = [200, 0, 129, 64, 700, 1], [50, 10, 300, 64, 700, 1]
-    q, k, v, _, cq, ck = _inputs(lens_q, lens_k, 6, 2, pad_q=77, pad_k=40, seed=23)
-    q[sum(lens_q):] = float("nan")
-    k[sum(lens_k):] = float("nan")
-    v[sum(lens_k):] = float("nan")
-    assert ops.G is not None and ops._gluon_fwd_fits(q, k, v)  # the Gluon route is the one under test
-    gl_out, gl_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE)
-    triton_cfg = {key: val for key, val in ops.CONFIGS["sm_90a"].items() if key != "fwd_gluon"}
-    tr_out, tr_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE, cfg=triton_cfg)
-    assert torch.equal(gl_out, tr_out) and torch.equal(gl_lse, tr_lse)
-    assert bool(gl_out.isfinite().all()) and torch.equal(gl_out[sum(lens_q):], torch.zeros_like(gl_out[sum(lens_q):]))
-    # a head stride other than D: the Triton route, same bits
-    wide = torch.zeros(q.shape[0], q.shape[1], 2 * D, dtype=BF, device="cuda")
-    wide[:, :, :D] = q
-    assert not ops._gluon_fwd_fits(wide[:, :, :D], k, v)
-    st_out, st_lse = ops.gqa_forward(wide[:, :, :D], k, v, cq, ck, SCALE)
-    assert torch.equal(st_out, gl_out) and torch.equal(st_lse, gl_lse)
-    ref_out, ref_lse = reference.varlen_gqa_reference(q, k, v, cq, ck, SCALE)
-    seen = torch.isfinite(ref_lse)
-    assert torch.equal(seen, torch.isfinite(gl_lse))
-    assert rel_rms(gl_out[:sum(lens_q)], ref_out[:sum(lens_q)]) < 1e-2
+    for hq, hkv, lens_q, lens_k in ((6, 2, [200, 0, 129, 64, 700, 1], [50, 10, 300, 64, 700, 1]),
+                                    (3, 1, [1, 63, 64, 65, 127, 128, 191], [1, 100, 64, 70, 127, 128, 150])):
+        q, k, v, _, cq, ck = _inputs(lens_q, lens_k, hq, hkv, pad_q=77, pad_k=40, seed=23)
+        q[sum(lens_q):] = float("nan")
+        k[sum(lens_k):] = float("nan")
+        v[sum(lens_k):] = float("nan")
+        assert ops.G is not None and ops._gluon_fwd_fits(q, k, v)  # the Gluon route is the one under test
+        spy = _Launches(ops.G.fwd_kernel)
+        monkeypatch.setattr(ops.G, "fwd_kernel", spy)
+        gl_out, gl_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE)
+        assert spy.count == 1
+        triton_cfg = {key: val for key, val in ops.CONFIGS["sm_90a"].items() if key != "fwd_gluon"}
+        tr_out, tr_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE, cfg=triton_cfg)
+        assert spy.count == 1
+        assert torch.equal(gl_out, tr_out) and torch.equal(gl_lse, tr_lse)
+        assert bool(gl_out.isfinite().all())
+        assert torch.equal(gl_out[sum(lens_q):], torch.zeros_like(gl_out[sum(lens_q):]))
+        # a head stride other than D: the Triton route, same bits
+        wide = torch.zeros(q.shape[0], q.shape[1], 2 * D, dtype=BF, device="cuda")
+        wide[:, :, :D] = q
+        assert not ops._gluon_fwd_fits(wide[:, :, :D], k, v)
+        st_out, st_lse = ops.gqa_forward(wide[:, :, :D], k, v, cq, ck, SCALE)
+        assert torch.equal(st_out, gl_out) and torch.equal(st_lse, gl_lse)
+        ref_out, ref_lse = reference.varlen_gqa_reference(q, k, v, cq, ck, SCALE)
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(seen, torch.isfinite(gl_lse))
+        assert rel_rms(gl_out[:sum(lens_q)], ref_out[:sum(lens_q)]) < 1e-2
+        monkeypatch.undo()
 
 
 class _Launches:

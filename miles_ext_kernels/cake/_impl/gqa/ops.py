@@ -1,7 +1,8 @@
 """`gqa` implementation: operand checks, launchers, torch.library custom ops (+ fakes) and autograd.
 
 Layers: kernels.py (@triton.jit) -> launchers `gqa_forward` / `gqa_backward` (allocate, grid, no autograd) ->
-custom ops `miles_ext_kernels::gqa_fwd` / `gqa_bwd` with autograd registered -> `varlen_gqa_attention`.
+custom ops `miles_ext_kernels::gqa_fwd` / `gqa_bwd` with autograd registered (traced by torch.compile) and `_GQAFn`
+(a plain autograd.Function: eager calls) -> `varlen_gqa_attention`.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import heapq
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..._runtime import checks, config, workspace
 from ..._runtime.build import INTERPRET, INTERPRETER_ARCH, cdiv, check_device, device_guard
@@ -34,9 +36,11 @@ CONFIGS = {
     "sm_90a": {
         # DIAG_ONLY: the causal mask is computed only for key blocks on the diagonal (a branch, not a second loop)
         "fwd": dict(BM=128, BN=64, num_warps=8, num_stages=2, DIAG_ONLY=True),
-        # the Gluon forward (gluon_fwd.py: TMA, asynchronous wgmma, TMA-store epilogue) with the same BM, BN and
-        # the same bits; operands whose heads are not contiguous within a row take the Triton forward above
-        "fwd_gluon": dict(BM=128, BN=64, num_warps=8),
+        # the Gluon forward (gluon_fwd.py: a TMA loader warp and one partition per 64-row warpgroup; 4 warps is the
+        # default partition of a 12-warp CTA, 168 registers a thread before reallocation, then 240 for each
+        # warpgroup and 24 for the loader's) with the same BM, BN and the same bits; operands whose heads are not
+        # contiguous within a row take the Triton forward above
+        "fwd_gluon": dict(BM=128, BN=64, num_warps=4, maxnreg=168),
         "dq": dict(BM=128, BN=64, num_warps=8, num_stages=1),
         # the Gluon dQ pass (gluon_bwd.py): same tiles; operands the Gluon forward cannot read take "dq" above
         "dq_gluon": dict(BM=128, BN=64, num_warps=8),
@@ -229,11 +233,12 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     cg = cfg.get("fwd_gluon")
     if cg is not None and G is not None and not INTERPRET and _gluon_fwd_fits(q, k, v):
         assert cg["BM"] == c["BM"]  # the tile prefix above counts tiles of BM rows
+        rows = cg["BM"] // 2  # Q and the output move in the two warpgroups' halves of the tile
         G.fwd_kernel[(upper * H_q,)](
-            _gluon_desc(q, cg["BM"]), _gluon_desc(k, cg["BN"]), _gluon_desc(v, cg["BN"]), _gluon_desc(out, cg["BM"]),
+            _gluon_desc(q, rows), _gluon_desc(k, cg["BN"]), _gluon_desc(v, cg["BN"]), _gluon_desc(out, rows),
             out, lse, cu_q, cu_k, ts,
             float(scale), T_q, B, B.bit_length(), H_q, H_q // H_kv, out.stride(0), out.stride(1),
-            D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"])
+            D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
         return out, lse
     K._fwd_kernel[(upper * H_q,)](
         q, k, v, out, lse, cu_q, cu_k, ts,
@@ -376,10 +381,10 @@ def routes(**model_params):
 
     cg = cfg.get("fwd_gluon")
     if cg is not None and G is not None:
-        dq_, dk_ = desc(cg["BM"]), desc(cg["BN"])
+        dq_, dk_ = desc(cg["BM"] // 2), desc(cg["BN"])
         out.append(Route(G.fwd_kernel, (dq_, dk_, dk_, dq_, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n, st, sh),
-                         (1,), {"D": HEAD_DIM, "BM": cg["BM"], "BN": cg["BN"], "num_warps": cg["num_warps"]},
-                         "fwd_gluon"))
+                         (1,), {"D": HEAD_DIM, "BM": cg["BM"], "BN": cg["BN"], "num_warps": cg["num_warps"],
+                                "maxnreg": cg["maxnreg"]}, "fwd_gluon"))
     cb = cfg.get("dq_gluon")
     if cb is not None and GB is not None:
         out.append(Route(GB.dq_kernel, (desc(cb["BM"]), desc(cb["BN"]), desc(cb["BN"]), desc(cb["BM"]), bf, f32, f32,
@@ -471,6 +476,28 @@ def _backward(ctx, dout, dlse):
 gqa_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# eager autograd: a plain autograd.Function with the same forward and backward (a torch.library custom op costs
+# ~100 us of host time per call in eager mode); torch.compile traces the custom ops above instead
+class _GQAFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, scale, variant, max_seqlen_k):
+        with device_guard(q):
+            out, lse = gqa_forward(q, k, v, cu_q, cu_k, scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.scale, ctx.variant, ctx.max_seqlen_k = scale, variant, max_seqlen_k
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable  # a second derivative raises instead of silently carrying no history
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        with device_guard(q):
+            dq, dk, dv = gqa_backward(dout, q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.variant,
+                                      max_seqlen_k=ctx.max_seqlen_k)
+        return dq, dk, dv, None, None, None, None, None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # operand checks
 def _check_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, return_lse):
@@ -526,6 +553,9 @@ def varlen_gqa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_k, s
     if config.option(OP_NAME, "check_seqlens"):
         check_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_k)
     scale = DEFAULT_SCALE if softmax_scale is None else float(softmax_scale)
-    out, lse = torch.ops.miles_ext_kernels.gqa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, variant,
-                                                   int(max_seqlen_k))
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.miles_ext_kernels.gqa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, variant,
+                                                       int(max_seqlen_k))
+    else:
+        out, lse = _GQAFn.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, variant, int(max_seqlen_k))
     return (out, lse) if return_lse else out
