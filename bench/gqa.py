@@ -81,6 +81,8 @@ def ours(lens, hq, hkv, variant, cfg=None, fused=None):
     # max_seqlen_k as the public entry point passes it (it lets the dK/dV grid run in rounds)
     tb = median_ms(lambda: ops.gqa_backward(do, q, k, v, out, lse, cu, cu, SCALE, variant, cfg, fused,
                                             max_seqlen_k=max(lens)))
+    ours.bwd_device = device_ms(lambda: ops.gqa_backward(do, q, k, v, out, lse, cu, cu, SCALE, variant, cfg, fused,
+                                                         max_seqlen_k=max(lens)))
     grads = ops.gqa_backward(do, q, k, v, out, lse, cu, cu, SCALE, variant, cfg, fused, max_seqlen_k=max(lens))
     return tf, tb, (out, lse) + tuple(grads)
 
@@ -100,7 +102,7 @@ def fa2(lens, hq, hkv):
                                                         scale=SCALE)
 
     tf, tb = median_ms(fwd), median_ms(bwd)
-    fa2.fwd_device = device_ms(fwd)
+    fa2.fwd_device, fa2.bwd_device = device_ms(fwd), device_ms(bwd)
     return tf, tb, (o,) + tuple(bwd())
 
 
@@ -152,6 +154,7 @@ def cudnn(lens, hq, hkv):
     cudnn.fwd_device = device_ms(fwd)
     o = fwd()
     tb = median_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+    cudnn.bwd_device = device_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
     return tf, tb
 
 
@@ -162,9 +165,11 @@ def row(shape, impl, tf, tb, fl, **kw):
     return r
 
 
-def _device(ms, fl):
-    """The forward in device time (`device_ms`: the host's launch work hidden behind a GPU spin)."""
-    return {"fwd_ms_device": ms, "fwd_tflops_device": fl / ms / 1e9}
+def _device(ms, fl, bwd_ms):
+    """Forward and backward in device time (`device_ms`: the host's launch work hidden behind a GPU spin, as in a
+    training step whose host runs ahead)."""
+    return {"fwd_ms_device": ms, "fwd_tflops_device": fl / ms / 1e9,
+            "bwd_ms_device": bwd_ms, "bwd_tflops_device": 2.5 * fl / bwd_ms / 1e9}
 
 
 def tune(args):
@@ -250,9 +255,9 @@ def main():
         for variant in ("det", "fast"):
             tf, tb, got = ours(lens, hq, hkv, variant)
             res[variant] = got
-            rows.append(row(shape, f"cake {variant}", tf, tb, fl, **_device(ours.fwd_device, fl)))
+            rows.append(row(shape, f"cake {variant}", tf, tb, fl, **_device(ours.fwd_device, fl, ours.bwd_device)))
         tf, tb, ref = fa2(lens, hq, hkv)
-        rows.append(row(shape, "FA2 varlen", tf, tb, fl, **_device(fa2.fwd_device, fl)))
+        rows.append(row(shape, "FA2 varlen", tf, tb, fl, **_device(fa2.fwd_device, fl, fa2.bwd_device)))
         d, f = res["det"], res["fast"]
         rows[-3]["out_vs_fa2"] = rel(d[0], ref[0])
         rows[-3]["dq_vs_fa2"] = rel(d[2], ref[1])
@@ -269,13 +274,14 @@ def main():
         try:
             r = cudnn(lens, hq, hkv)
             if r:
-                rows.append(row(shape, "cuDNN SDPA (dense)", r[0], r[1], fl, **_device(cudnn.fwd_device, fl)))
+                rows.append(row(shape, "cuDNN SDPA (dense)", r[0], r[1], fl, **_device(cudnn.fwd_device, fl, cudnn.bwd_device)))
         except Exception as e:  # noqa
             print(f"cudnn {shape}: {e!r}"[:200], flush=True)
         torch.cuda.empty_cache()
         print(shape, "done", flush=True)
     path = write_results(args.name, rows)
-    print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_tflops_device"])
+    print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_tflops_device",
+                       "bwd_tflops_device"])
     print(path)
 
 

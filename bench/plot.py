@@ -32,12 +32,16 @@ def plot(path: Path) -> Path:
             vals = []
             for s in shapes:
                 r = next((r for r in rows if r["shape"] == s and r["impl"] == impl), None)
-                vals.append((r or {}).get(f"{phase}_{metric}") or 0.0)
+                r = r or {}
+                # device time where the benchmark measured it (the host's launch work hidden), else one sync per call
+                vals.append(r.get(f"{phase}_{metric}_device") or r.get(f"{phase}_{metric}") or 0.0)
             ax.bar([i + j * width for i in range(len(shapes))], vals, width, label=impl)
         ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(shapes))])
         ax.set_xticklabels(shapes, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel(unit)
-        ax.set_title(f"{doc['bench']} {'forward' if phase == 'fwd' else 'backward'}")
+        dev = any(f"{phase}_{metric}_device" in r for r in rows)
+        ax.set_title(f"{doc['bench']} {'forward' if phase == 'fwd' else 'backward'}"
+                     + (" (device time where measured)" if dev else ""))
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{doc.get('gpu', '?')}, torch {doc.get('torch')}, triton {doc.get('triton')}, {doc.get('date')}",
@@ -60,6 +64,10 @@ def markdown(path: Path) -> str:
     lines = [f"**{doc['bench']}** — {doc.get('gpu', '?')}, torch {doc.get('torch')}, triton {doc.get('triton')}, "
              f"{doc.get('date')} (`bench/results/{path.name}`)", "",
              f"| shape | impl | fwd ms | bwd ms | fwd {unit} | bwd {unit} |", "|---|---|---|---|---|---|"]
+    dev = any(f"bwd_{metric}_device" in r for r in rows)  # forward and backward also in device time (gqa)
+    if dev:
+        lines[-2] += f" fwd {unit} device | bwd {unit} device |"
+        lines[-1] += "---|---|"
     both = any("fwdbwd_ms" in r for r in rows)  # a forward + backward time of its own (gdn)
     both_dev = any("fwdbwd_device_ms" in r for r in rows)  # ... also in device time
     if both:
@@ -73,6 +81,10 @@ def markdown(path: Path) -> str:
     elif any("fwd_ms_queued" in r for r in rows):
         lines.insert(1, "Times: one sync per call (`median_ms`, host launch time included); the JSON also has "
                         "`*_queued` (calls back to back).")
+    elif dev:
+        lines.insert(1, "Times: one sync per call (`median_ms`, host launch time included); the device columns "
+                        "(`device_ms`: the host's launch work hidden behind a GPU spin, as in a training step whose "
+                        "host runs ahead) are the kernels' speed; — where not measured.")
     elif both_dev:
         lines.insert(1, "Times: one sync per call (`median_ms`); the last column is forward + backward in device time "
                         "(`device_ms`: the host's launch work hidden behind a GPU spin).")
@@ -81,6 +93,8 @@ def markdown(path: Path) -> str:
     for r in rows:
         lines.append(f"| {r['shape']} | {r['impl']} | {fmt(r.get('fwd_ms'), 3)} | {fmt(r.get('bwd_ms'), 3)} | "
                      f"{fmt(r.get(f'fwd_{metric}'), 2)} | {fmt(r.get(f'bwd_{metric}'), 2)} |"
+                     + (f" {fmt(r.get(f'fwd_{metric}_device'), 2)} | {fmt(r.get(f'bwd_{metric}_device'), 2)} |"
+                        if dev else "")
                      + (f" {fmt(r.get('fwdbwd_ms'), 3)} |" if both else "")
                      + (f" {fmt(r.get('fwdbwd_device_ms'), 3)} |" if both_dev else ""))
     lines += ["", f"![{doc['bench']}](bench/plots/{path.stem}.png)", ""]
