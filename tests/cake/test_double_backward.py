@@ -54,3 +54,16 @@ def test_gqa():
     q, k, v = _leaf(5, 2, 256), _leaf(5, 1, 256, seed=1), _leaf(5, 1, 256, seed=2)
     cu = torch.tensor([0, 5], dtype=torch.int32)
     _second_derivative_raises(gqa.varlen_gqa_attention(q, k, v, cu, cu, max_seqlen_k=5), (q, k, v))
+
+
+def test_gqa_custom_op():
+    """The path torch.compile traces (the registered custom op, called directly here) refuses too."""
+    from miles_ext_kernels.cake._impl.gqa import ops
+
+    q, k, v = _leaf(5, 2, 256), _leaf(5, 1, 256, seed=1), _leaf(5, 1, 256, seed=2)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    out, _ = ops.gqa_fwd(q, k, v, cu, cu, 0.0625, "det", 5)  # the custom op miles_ext_kernels::gqa_fwd
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v), create_graph=True)
+    penalty = sum(g.float().sum() for g in grads) + sum(x.float().square().sum() for x in (q, k, v))
+    with pytest.raises(RuntimeError, match="no autograd formula"):  # the backward custom op has none
+        penalty.backward()

@@ -205,12 +205,14 @@ def test_gluon_forward_matches_triton_forward_bits(monkeypatch):
     """The sm_90a forward runs the Gluon kernel (a loader warp and one partition per 64-row warpgroup); the Triton
     kernel remains the route for operands whose heads are not contiguous within a row. Both give the same out and LSE
     bits, on edge layouts: padding rows, an empty segment, fewer keys than queries (and more), partial tiles of 1, 63,
-    64, 65 and 127 rows (warpgroup 1 with no valid row; warpgroup 0 stopping a key block early), NaN in the padding
-    rows of q, k, v (past cu_seqlens[-1]: the Gluon kernel reads them by TMA and must not let them reach a real row)."""
+    64, 65 and 127 rows (warpgroup 1 with no valid row; warpgroup 0 stopping a key block early, or running none while
+    warpgroup 1 runs one: 200 queries over 100 keys), partial key blocks (warpgroup 1 zeroes V's rows past the keys
+    for both), NaN in the padding rows of q, k, v (past cu_seqlens[-1]: the Gluon kernel reads them by TMA and must
+    not let them reach a real row)."""
     from miles_ext_kernels.cake._impl.gqa import ops
 
     for hq, hkv, lens_q, lens_k in ((6, 2, [200, 0, 129, 64, 700, 1], [50, 10, 300, 64, 700, 1]),
-                                    (3, 1, [1, 63, 64, 65, 127, 128, 191], [1, 100, 64, 70, 127, 128, 150])):
+                                    (3, 1, [1, 63, 64, 65, 127, 128, 191, 200], [1, 100, 64, 70, 127, 128, 150, 100])):
         q, k, v, _, cq, ck = _inputs(lens_q, lens_k, hq, hkv, pad_q=77, pad_k=40, seed=23)
         q[sum(lens_q):] = float("nan")
         k[sum(lens_k):] = float("nan")

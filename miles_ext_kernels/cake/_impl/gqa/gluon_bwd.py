@@ -38,7 +38,8 @@ Bits: fixed tiles that start at segment starts and a fixed order of steps, so dQ
 do not depend on the pack or on the launch order. dK and dV equal the Triton dK/dV kernel's bits: its 128-row query
 blocks are 64-row blocks here, but the products contract over the same query rows in the same 16-row chunks and
 order, and the extra rows the Triton kernel covers before the first block seen here are causally masked to exact
-zeros (GPU test). dQ differs from the Triton dQ only through delta, reduced here in the MMA register layout.
+zeros (GPU test). dQ differs from the Triton dQ only through delta, reduced here 64 columns at a time in a blocked
+layout (`_row_delta`).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -14,11 +14,12 @@ first: `kernels._tile_prefix_kernel` numbers them). Warp-specialized, three part
   the two warpgroups together, so one's softmax runs while the other's matmuls use the tensor cores (with one
   8-warp partition both warpgroups met at a CTA barrier around every TMA request, and the forward ran 477 instead of
   591 TFLOP/s at 16 x 2048 on the H200, same bits). Warpgroup 0 stops one key block before warpgroup 1 where that
-  block is fully masked for its rows (p = 0, alpha = 1 there: the bits do not change).
+  block is fully masked for its rows (there p = 0, and alpha = 1 for rows that have seen a key, while acc and l are
+  still 0 for rows that have not: the bits do not change).
 - Rows past a segment's keys are loaded by TMA (they belong to the next segment, or are padding past the end): the
   causal / length mask sets their scores to -inf, and V rows past the segment are zeroed in shared memory before
-  P V, since 0 * (NaN or inf padding) would not be 0 (each warpgroup zeroes them before its own P V; both write the
-  same zeros).
+  P V, since 0 * (NaN or inf padding) would not be 0. Only a segment's last key block crosses the end, and
+  warpgroup 1 always runs it: warpgroup 1 zeroes the rows and signals an mbarrier that warpgroup 0 waits on.
 Requires at least one query and one key, heads contiguous within a token row (head stride = head dim) and rows that do
 not overlap (`ops._gluon_fwd_fits`); other operands take the Triton kernel (16-byte alignment is ensured for both
 routes by `ops._ready`, which copies misaligned operands). Gluon has no interpreter: CPU tests run the Triton kernel.
@@ -68,8 +69,8 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v
 
 
 @gluon.jit
-def _fwd_rows(o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, O, LSE, T_q, q0, L_q, L_k, m0,
-              offset, h, qk_scale, sot, soh, HALF: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr,
+def _fwd_rows(o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, v_zeroed, O, LSE, T_q, q0, L_q,
+              L_k, m0, offset, h, qk_scale, sot, soh, HALF: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr,
               BN: gl.constexpr):
     """One warpgroup: query rows [m0 + HALF * ROWS, + ROWS) of the tile, over the key blocks they see (warpgroup 0
     may stop one block before warpgroup 1: that block is fully masked for its rows, so skipping it leaves the bits
@@ -98,11 +99,15 @@ def _fwd_rows(o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_
         n = j * BN
         mbarrier.wait(v_full.index(stage), (j // 2) & 1)
         if n + BN > L_k:
-            # zero V rows past the segment's keys (0 * NaN padding would not be 0); both warpgroups write the same
-            # zeros, each before its own P V
-            U.zero_rows_from(v_smem.index(stage), L_k - n, BN, D, 4)
-            fence_async_shared()
-            gl.thread_barrier()
+            # zero V rows past the segment's keys (0 * NaN padding would not be 0). Only the segment's last block
+            # crosses L_k, and warpgroup 1 always runs it: warpgroup 1 zeroes, warpgroup 0 waits for that
+            if HALF == 1:
+                U.zero_rows_from(v_smem.index(stage), L_k - n, BN, D, 4)
+                fence_async_shared()
+                gl.thread_barrier()  # every warp's rows are written before this warpgroup's P V and the signal
+                mbarrier.arrive(v_zeroed, count=1)
+            else:
+                mbarrier.wait(v_zeroed, 0)
         pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
         if j + 1 < n_blocks:
             nstage = (j + 1) % 2
@@ -168,6 +173,8 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale,
         v_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        v_zeroed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(v_zeroed, count=1)  # warpgroup 1 has zeroed the V rows past the keys (once a tile at most)
         for i in gl.static_range(2):
             mbarrier.init(q_bar.index(i), count=1)
             mbarrier.init(k_full.index(i), count=1)
@@ -175,10 +182,10 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale,
             mbarrier.init(k_empty.index(i), count=2)  # released by both warpgroups
             mbarrier.init(v_empty.index(i), count=2)
         gl.warp_specialize([
-            (_fwd_rows, (o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, O, LSE, T_q, q0,
-                         L_q, L_k, m0, offset, h, qk_scale, sot, soh, 0, D, ROWS, BN)),
-            (_fwd_rows, (o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, O, LSE, T_q, q0,
-                         L_q, L_k, m0, offset, h, qk_scale, sot, soh, 1, D, ROWS, BN)),
+            (_fwd_rows, (o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, v_zeroed, O, LSE,
+                         T_q, q0, L_q, L_k, m0, offset, h, qk_scale, sot, soh, 0, D, ROWS, BN)),
+            (_fwd_rows, (o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, v_zeroed, O, LSE,
+                         T_q, q0, L_q, L_k, m0, offset, h, qk_scale, sot, soh, 1, D, ROWS, BN)),
             (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
                            q0 + m0, k0, h * D, hk * D, n_blocks, ROWS, BN)),
         ], [4, 1], [240, 24])
