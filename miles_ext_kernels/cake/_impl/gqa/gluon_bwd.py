@@ -15,16 +15,20 @@ its matmuls, and it waits every matmul at once):
   dV += P^T dO with P^T from registers. S^T of step i+1 is issued before dV of step i, and P^T of step i+1 is computed
   while dV of step i runs;
 - warpgroup 1: dP^T = V dO^T, dS^T = P^T * (dP^T - delta) with warpgroup 0's P^T, dK += dS^T Q. dP^T of step i+1 is
-  issued before dK of step i, and dS^T of step i+1 is computed while dK of step i runs.
+  issued before dK of step i; dK is waited within its step and its Q stage released at once. Two measured causes of
+  a slow pass (H200, bench/NOTES.md): carrying dK across steps as an asynchronous accumulator made ptxas serialize
+  every wgmma of the kernel (its C7515 warning), and releasing a Q stage one step late left the loader unable to
+  refill it until warpgroup 1 had formed the next dS^T, so warpgroup 0's next S^T waited for the load (together
+  3.39 -> 2.15 ms at 16 x 2048, same bits).
 Each warpgroup holds one fp32 [BN, D] accumulator (128 registers a thread at BN 64, D 256; dK and dV together would
 not fit one warpgroup). Shared memory: K, V 64 KB + Q, dO 2 x 2 x 32 KB + P^T 2 x 16 KB = 224 KB (232 448 B allowed).
 Query rows past L_q in a segment's last, partial block are loaded by TMA (they belong to the next segment or are
 padding): warpgroup 0 zeroes them in shared memory before it publishes that step's P^T (dK and dV contract over query
 rows, and 0 * NaN would not be 0), and their P^T and dS^T columns are set to 0. Key rows past L_k of a partial key
 tile give rows of dK and dV that are never stored (rows do not mix).
-Measured on the H200 (bench/NOTES.md): 5 % faster than the Triton dK/dV kernel at 16 x 2048; a variant with the
-roles split by operand (warpgroup 0: S^T and dK, warpgroup 1: dP^T and dV, exchanging bf16 P^T and fp32 dP^T) was no
-faster than the Triton kernel.
+A variant with the roles split by operand (warpgroup 0: S^T and dK, warpgroup 1: dP^T and dV, exchanging bf16 P^T
+and fp32 dP^T) was no faster (measured before the two fixes above), and one that forms dS^T of step i+1 while dK of
+step i runs within a two-step loop body spilled and was slower (2.88 ms).
 
 `dq_kernel`: one program = one 128-row query tile and query head, 8 warps; Q and dO resident, K double- and V
 single-buffered (224 KB); S = Q K^T and dP = dO V^T issued back to back, P computed while dP runs; dQ += dS K is an
@@ -195,9 +199,9 @@ def _dkdv_dp_dk(v_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_em
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     n_steps = group * n_m
     s_zero = gl.zeros([BN, BM], gl.float32, s_layout)
-    # dK stays an asynchronous accumulator across steps: dK_i is issued on dK_{i-1} without waiting for it
-    dk = warpgroup_mma_init(gl.zeros([BN, D], gl.float32, acc_layout))
-    dsa = gl.zeros([BN, BM], gl.bfloat16, a_layout)
+    # dK is waited within its step: an asynchronous accumulator carried across steps (warpgroup_mma_init) made ptxas
+    # serialize every wgmma of the kernel (C7515: "non wgmma instructions defining accumulator registers")
+    dk = gl.zeros([BN, D], gl.float32, acc_layout)
     offs_q = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
     mbarrier.wait(kv_bar, 0)
     if n_steps > 0:
@@ -219,25 +223,21 @@ def _dkdv_dp_dk(v_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_em
             # where, not a product: dP^T columns of query rows past the segment may come from rows warpgroup 0 is
             # zeroing (their P^T is 0, but 0 * NaN would not be)
             ds = gl.where(qvalid[None, :], p * (dpt - delta[None, :]), 0.0)
-            # dK_{i-1} done (it ran while dS^T_i was computed): it has read Q_{i-1} and the previous dS^T registers
-            dk, dsa = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dsa))
-            dk = warpgroup_mma_init(dk)
-            if i > 0:
-                mbarrier.arrive(q_empty.index(ns), count=1)
             dsa = gl.convert_layout(ds.to(gl.bfloat16), a_layout)
             if i + 1 < n_steps:
                 mbarrier.wait(do_ready.index(ns), nphase)
                 dpt_tok = warpgroup_mma(v_smem, do_smem.index(ns).permute((1, 0)), s_zero, use_acc=False,
                                         is_async=True)
                 mbarrier.wait(q_ready.index(s), phase)
-                dk = warpgroup_mma(dsa, q_smem.index(s), dk, is_async=True)
-                # one outstanding = dP^T_{i+1} done, dK_i may still run
+                dk_tok = warpgroup_mma(dsa, q_smem.index(s), dk, is_async=True)
+                # groups complete in order: one outstanding = dP^T_{i+1} done, its dO stage is free
                 dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
                 mbarrier.arrive(do_empty.index(ns), count=1)
             else:
                 mbarrier.wait(q_ready.index(s), phase)
-                dk = warpgroup_mma(dsa, q_smem.index(s), dk, is_async=True)
-    dk, dsa = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dsa))
+                dk_tok = warpgroup_mma(dsa, q_smem.index(s), dk, is_async=True)
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dsa))[0]
+            mbarrier.arrive(q_empty.index(s), count=1)
     # V is no longer read (the last dP^T has completed): stage dK there
     v_smem.store((dk * sm_scale).to(DK.dtype.element_ty))
     gl.thread_barrier()
