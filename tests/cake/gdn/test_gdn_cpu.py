@@ -15,10 +15,11 @@ demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
 ops = importlib.import_module("miles_ext_kernels.cake._impl.gdn.ops")
 reference = importlib.import_module("miles_ext_kernels.cake._impl.gdn.reference")
 
-# Relative RMS budgets of the bf16 path on CPU (no peer runs here): 2 x our errors measured through the interpreter,
-# whose bf16 intermediates are rounded to nearest like the GPU's (kernels._rnd; the interpreter's own downcast
-# truncates). Measured (varlen): o 4.19e-3, ht 3.01e-3, dq 4.01e-3, dk 3.89e-3, dv 3.76e-3, dg 3.87e-3,
-# dbeta 2.91e-3, dh0 2.38e-3; (batch): o 3.36e-3, dq 3.30e-3, dk 3.50e-3, dv 2.85e-3, dg 2.97e-3, dbeta 3.32e-3.
+# Relative RMS budgets of the bf16 path on CPU (no peer runs here): 2 x our errors measured through the interpreter
+# with fp32 dq / dk partials, whose bf16 intermediates are rounded to nearest like the GPU's (kernels._rnd; the
+# interpreter's own downcast truncates). Measured (varlen): o 4.19e-3, ht 3.01e-3, dq 4.01e-3, dk 3.89e-3,
+# dv 3.76e-3, dg 3.87e-3, dbeta 2.91e-3, dh0 2.38e-3; (batch): o 3.36e-3, dq 3.30e-3, dk 3.50e-3, dv 2.85e-3,
+# dg 2.97e-3, dbeta 3.32e-3. With the default bf16 partials: varlen dq 4.32e-3, dk 4.53e-3; batch dk 3.80e-3.
 BUDGETS_VARLEN = {"o": 8.4e-3, "ht": 6.1e-3, "dq": 8.1e-3, "dk": 7.8e-3, "dv": 7.6e-3, "dg": 7.8e-3,
                   "dbeta": 5.9e-3, "dh0": 4.8e-3}
 BUDGETS_BATCH = {"o": 6.8e-3, "dq": 6.6e-3, "dk": 7.0e-3, "dv": 5.7e-3, "dg": 6.0e-3, "dbeta": 6.7e-3}
