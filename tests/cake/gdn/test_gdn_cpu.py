@@ -104,20 +104,21 @@ def test_dqkw_in_k_slices(bk, bk_dk, split, monkeypatch):
         assert err < 5e-6, (name, err, errs)
 
 
-@pytest.mark.parametrize("low_partials, low_dk", [(False, False), (False, True), (True, False)])
-def test_partial_sum_dtypes(low_partials, low_dk, monkeypatch):
+def test_partial_sum_dtypes(monkeypatch):
     """Each dtype choice of the per-value-head dq / dk partials (LOW_PARTIALS) and of dqkw's dk part (LOW_DK) other
     than the default (both bf16) stays within the budgets and changes the bits (so the option took effect)."""
     configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
     assert configs.CFG["final"]["LOW_PARTIALS"] and configs.CFG["final"]["LOW_DK"]
     inp = demo_mod.make_inputs([15, 70, 50], 1, 2, 32, 32, "cpu", l2=True, seed=0)
-    ref = _reference(inp, l2=True)
+    ref = _reference(inp, l2=True)  # one reference and one default run for the three choices
     base = _public(inp, l2=True)
-    monkeypatch.setitem(configs.CFG, "final", dict(configs.CFG["final"], LOW_PARTIALS=low_partials, LOW_DK=low_dk))
-    got = _public(inp, l2=True)
-    for n in got:
-        check_budget(n, got[n], ref[n], BUDGETS_VARLEN[n])
-    assert not torch.equal(got["dk"], base["dk"])
+    for low_partials, low_dk in ((False, False), (False, True), (True, False)):
+        monkeypatch.setitem(configs.CFG, "final", dict(configs.CFG["final"], LOW_PARTIALS=low_partials,
+                                                       LOW_DK=low_dk))
+        got = _public(inp, l2=True)
+        for n in got:
+            check_budget(n, got[n], ref[n], BUDGETS_VARLEN[n])
+        assert not torch.equal(got["dk"], base["dk"]), (low_partials, low_dk)
 
 
 def _public(inp, *, l2, cu=True, final=True, h0=True):
