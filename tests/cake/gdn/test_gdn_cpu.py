@@ -270,7 +270,8 @@ def test_chunk_table_kernel(lens):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     N, T = len(lens), int(cu[-1])
     P = (T + BT - 1) // BT + N
-    got = ops._chunk_table(cu, N, P)
+    got, se = ops._chunk_table(cu, N, P, T)
+    assert torch.equal(se, torch.stack([cu[:-1], cu[1:]], 1))
     want = torch.full((P,), -1, dtype=torch.int32)
     want_ic = torch.zeros(P, dtype=torch.int32)
     for n, L in enumerate(lens):
@@ -281,3 +282,24 @@ def test_chunk_table_kernel(lens):
     used = want >= 0
     assert torch.equal(got[used, 1], want_ic[used])
     assert int(used.sum()) == sum((L + BT - 1) // BT for L in lens)
+
+
+@pytest.mark.parametrize("lens, decay, full_forget", [
+    ([63], -1.5, False),            # one partial chunk: G reaches -94 (exp(-G) overflows fp32 past -88.7)
+    ([64, 63], -3.0, False),        # a full chunk, then a partial one under a -3 per-token decay
+    ([1, 65, 0, 63], -1.5, True),   # documents of length 1, chunk + 1, 0, chunk - 1; two g = -inf tokens
+])
+def test_strong_decay_and_full_forget_give_finite_results(lens, decay, full_forget):
+    """Finite inputs give finite outputs and gradients within the budgets under strong decays (padding rows past a
+    document's end must not enter an exp), and g = -inf (a full forget) gives the exact, finite result."""
+    inp = demo_mod.make_inputs(lens, 1, 2, 32, 32, "cpu", l2=True, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    inp["g"] = decay + 0.1 * torch.rand(inp["g"].shape, generator=gen)
+    if full_forget:
+        inp["g"][0, 5, 0] = float("-inf")
+        inp["g"][0, 40, :] = float("-inf")
+    ours = demo_mod.run_impl(inp)
+    ref = demo_mod.run_reference(inp)
+    for n in ours:
+        assert torch.isfinite(ours[n]).all(), n
+        check_budget(n, ours[n], ref[n], BUDGETS_VARLEN[n])

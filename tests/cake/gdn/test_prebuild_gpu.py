@@ -13,7 +13,8 @@ pytestmark = pytest.mark.gpu
 
 def every_route():
     """Calls that launch every route: with / without initial state, final state, dht, L2 norm; det and fast;
-    kept and recomputed states; the state kernels' wide and narrow tiles. Returns the det bits."""
+    kept and recomputed states; int32 and int64 cu_seqlens; the state kernels' wide and narrow tiles. Returns the
+    det bits."""
     configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
     narrow_below = configs.NARROW_BELOW
     out = {}
@@ -43,7 +44,7 @@ def _calls():
                     o, ht = gdn.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"],
                                                        leaves["beta"], initial_state=leaves.get("h0"),
                                                        output_final_state=final, use_qk_l2norm_in_kernel=l2,
-                                                       cu_seqlens=inp["cu"])
+                                                       cu_seqlens=inp["cu"] if variant == "det" else inp["cu"].long())
                     outs, grads = [o], [inp["do"]]
                     if final:
                         outs.append(ht)

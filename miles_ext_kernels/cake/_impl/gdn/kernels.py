@@ -11,8 +11,13 @@ the log-decay g, h the state at the chunk start and D_ij = exp(G_i - G_j):
 
 Layouts (rows are tokens of the packed sequence): q, k [T, H, K]; v [T, HV, V]; g, beta, gc [T, HV] fp32;
 A [T, HV, BT]; w [T, HV, K]; u, dlt [T, HV, V]; chunk states h [P, HV, K, V] with one slot per chunk,
-slot = cu[n] // BT + n + chunk index (P = cdiv(T, BT) + N slots bound it without a device->host sync).
-`table` [P, 2] int32 maps a slot to (sequence or -1, chunk index).
+slot = bos[n] // BT + n + chunk index (P = cdiv(T, BT) + N slots bound it without a device->host sync).
+`table` [P, 2] int32 maps a slot to (sequence or -1, chunk index); `se` [N, 2] int32 holds each sequence's
+(bos, eos), cu_seqlens clamped into [0, T] by the table kernel (the only kernel that reads cu_seqlens).
+
+Rows past a document's end are loaded as zeros (G = 0 in every kernel after the prep): every exp(G_i - G_j) over a
+pair of rows is masked by the row's validity as well as causality, or a strong decay (G_j < -88.7) makes it inf and
+0 * inf a NaN that a matmul spreads to every row of the chunk.
 
 No kernel transposes a `tl.dot` result: every transposed operand is loaded transposed from memory (triton 3.4 -
 3.7.0 miscompile `tl.trans` of a wgmma result fed to another dot on Hopper). No atomics: every sum has one fixed
@@ -25,6 +30,9 @@ import triton
 import triton.language as tl
 
 BT = 64  # chunk length
+# Log-decays below G_FLOOR are read as G_FLOOR: exp(-128) is 0 in fp32, so a full forget (g = -inf) gives the exact
+# result instead of -inf - -inf = NaN in the in-chunk differences G_i - G_j; NaN stays NaN (a compare, not a max).
+G_FLOOR = tl.constexpr(-128.0)
 
 
 @triton.jit
@@ -77,29 +85,46 @@ def l2norm_fwd_kernel(x, y, x2, y2, R, K: tl.constexpr, BR: tl.constexpr, INTERP
         _l2norm_rows(x2, y2, off, m, INTERPRET)
 
 
-@triton.jit(do_not_specialize=["N", "P", "steps"])
-def chunk_table_kernel(cu, table, N, P, steps, BT: tl.constexpr, BP: tl.constexpr):
-    """table[p] = (sequence n, chunk index) of chunk slot p, or (-1, _) for an unused slot. Sequence n owns the slots
-    from start[n] = cu[n] // BT + n on (a bound that needs no device->host sync); a vectorised binary search finds
-    the last n with start[n] <= p (`steps` >= log2(N + 1) halvings)."""
+@triton.jit
+def _seq_bounds(cu, n, T, mask):
+    """(bos, eos) of sequence n from cu_seqlens, clamped so that 0 <= bos <= eos <= T whatever cu holds: every row a
+    kernel touches lies in [bos, eos), so no content of cu_seqlens makes a kernel leave its tensors (a malformed
+    cu_seqlens gives garbage in the outputs, never a bad access)."""
+    bos = tl.minimum(tl.maximum(tl.load(cu + n, mask=mask, other=0), 0), T)
+    eos = tl.minimum(tl.maximum(tl.load(cu + n + 1, mask=mask, other=0), bos), T)
+    return bos, eos
+
+
+@triton.jit(do_not_specialize=["N", "P", "T", "steps"])
+def chunk_table_kernel(cu, table, se, N, P, T, steps, BT: tl.constexpr, BP: tl.constexpr):
+    """table[p] = (sequence n, chunk index) of chunk slot p, or (-1, _) for an unused slot; se[n] = (bos, eos) of
+    sequence n clamped into [0, T] (`_seq_bounds`), which every later kernel reads instead of cu_seqlens. Sequence n
+    owns the slots from start[n] = bos[n] // BT + n on (a bound that needs no device->host sync: for any clamped
+    bounds its slots end below cdiv(T, BT) + N = P); a vectorised binary search finds the last n with
+    start[n] <= p (`steps` >= log2(N + 1) halvings)."""
     ids = tl.program_id(0) * BP + tl.arange(0, BP)
     lo = tl.zeros([BP], dtype=tl.int32)
     hi = tl.zeros([BP], dtype=tl.int32) + N
     for _ in range(0, steps):
         go = lo < hi
         mid = (lo + hi) // 2
-        start = tl.load(cu + mid, mask=go, other=0) // BT + mid
+        b_mid = tl.minimum(tl.maximum(tl.load(cu + mid, mask=go, other=0), 0), T)
+        start = b_mid // BT + mid
         up = go & (start <= ids)
         lo = tl.where(up, mid + 1, lo)
         hi = tl.where(go & (start > ids), mid, hi)
     n = tl.maximum(lo - 1, 0)
-    c0 = tl.load(cu + n)
-    ic = ids - (c0 // BT + n)
-    nch = (tl.load(cu + n + 1) - c0 + BT - 1) // BT
-    n = tl.where(ic < nch, n, -1)
     m = ids < P
+    bos, eos = _seq_bounds(cu, n, T, m)
+    ic = ids - (bos // BT + n)
+    nch = (eos - bos + BT - 1) // BT
+    n = tl.where((ic >= 0) & (ic < nch), n, -1)
     tl.store(table + 2 * ids, n, mask=m)
-    tl.store(table + 2 * ids + 1, ic, mask=m)
+    tl.store(table + 2 * ids + 1, ic.to(tl.int32), mask=m)
+    ms = ids < N
+    sb, sn = _seq_bounds(cu, ids, T, ms)
+    tl.store(se + 2 * ids, sb.to(tl.int32), mask=ms)
+    tl.store(se + 2 * ids + 1, sn.to(tl.int32), mask=ms)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,6 +133,8 @@ def _prep_rows(k, g, beta, gc, rows, m, off, hk, hv, H, HV, K: tl.constexpr):
     o_k = tl.arange(0, K)
     b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
     b_g = tl.load(g + rows * HV + hv, mask=m, other=0.).to(tl.float32)
+    b_g = tl.where(b_g < G_FLOOR, G_FLOOR, b_g)
+    # padding rows (g = 0) carry the chunk's last G: no exp below sees a positive difference
     b_gc = tl.cumsum(b_g, axis=0) + off
     tl.store(gc + rows * HV + hv, b_gc, mask=m)
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
@@ -150,7 +177,7 @@ def _store_a(A, rows, m, hv, HV, col: tl.constexpr, blk, BT: tl.constexpr, INTER
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_prep_kernel(k, g, beta, cu, table, gc, A, H, HV, K: tl.constexpr, BT: tl.constexpr,
+def fwd_prep_kernel(k, g, beta, se, table, gc, A, H, HV, K: tl.constexpr, BT: tl.constexpr,
                     INTERPRET: tl.constexpr):
     """Per chunk: gc = in-chunk cumsum of g; A = (I + L)^-1, in 16 x 16 blocks."""
     p = tl.program_id(0)
@@ -159,8 +186,8 @@ def fwd_prep_kernel(k, g, beta, cu, table, gc, A, H, HV, K: tl.constexpr, BT: tl
     if n < 0:
         return
     ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(cu + n).to(tl.int64)
-    eos = tl.load(cu + n + 1).to(tl.int64)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     t0 = bos + ic * BT
     r0 = t0 + tl.arange(0, 16)
@@ -218,7 +245,7 @@ def fwd_prep_kernel(k, g, beta, cu, table, gc, A, H, HV, K: tl.constexpr, BT: tl
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_wu_kernel(k, v, beta, gc, A, cu, table, w, u, H, HV, K: tl.constexpr, V: tl.constexpr,
+def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, INTERPRET: tl.constexpr):
     """w = A (beta exp(G) k), u = A (beta v) per chunk."""
     p = tl.program_id(0)
@@ -227,8 +254,8 @@ def fwd_wu_kernel(k, v, beta, gc, A, cu, table, w, u, H, HV, K: tl.constexpr, V:
     if n < 0:
         return
     ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(cu + n).to(tl.int64)
-    eos = tl.load(cu + n + 1).to(tl.int64)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     DT = k.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -250,7 +277,7 @@ def fwd_wu_kernel(k, v, beta, gc, A, cu, table, w, u, H, HV, K: tl.constexpr, V:
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_h_kernel(k, w, u, gc, cu, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, INTERPRET: tl.constexpr):
     """The inter-chunk state recurrence of one sequence and value head (a BV-wide slice of V)."""
     iv = tl.program_id(1)
@@ -259,8 +286,8 @@ def fwd_h_kernel(k, w, u, gc, cu, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.c
     hv = pid % HV
     hk = hv // (HV // H)
     DT = k.dtype.element_ty
-    bos = tl.load(cu + n).to(tl.int64)
-    eos = tl.load(cu + n + 1).to(tl.int64)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     nt = tl.cdiv(eos - bos, BT)
     slot0 = bos // BT + n
     o_t = tl.arange(0, BT)
@@ -294,7 +321,7 @@ def fwd_h_kernel(k, w, u, gc, cu, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.c
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_o_kernel(q, k, vn, gc, h, cu, table, o, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+def fwd_o_kernel(q, k, vn, gc, h, se, table, o, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, INTERPRET: tl.constexpr):
     """o = scale (exp(G) q) h + scale tril(q k^T * D) dlt per chunk."""
     p = tl.program_id(0)
@@ -303,8 +330,8 @@ def fwd_o_kernel(q, k, vn, gc, h, cu, table, o, scale, H, HV, K: tl.constexpr, V
     if n < 0:
         return
     ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(cu + n).to(tl.int64)
-    eos = tl.load(cu + n + 1).to(tl.int64)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -318,7 +345,7 @@ def fwd_o_kernel(q, k, vn, gc, h, cu, table, o, scale, H, HV, K: tl.constexpr, V
     b_h = tl.load(h + (p.to(tl.int64) * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :])
     b_o = _dot(b_q, b_h, INTERPRET) * (tl.exp(b_gc) * scale)[:, None]
     b_s = _dot(b_q, b_kt, INTERPRET)
-    msk = o_t[:, None] >= o_t[None, :]
+    msk = (o_t[:, None] >= o_t[None, :]) & m[:, None]
     b_s = tl.where(msk, b_s * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
     b_vn = tl.load(vn + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
     b_o += _dot(_rnd(b_s, DT, INTERPRET), b_vn, INTERPRET)
@@ -328,7 +355,7 @@ def fwd_o_kernel(q, k, vn, gc, h, cu, table, o, scale, H, HV, K: tl.constexpr, V
 
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dvl_kernel(q, k, do, gc, cu, table, dvl, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+def bwd_dvl_kernel(q, k, do, gc, se, table, dvl, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, INTERPRET: tl.constexpr):
     """The in-chunk part of d(dlt): scale tril(q k^T * D)^T do (computed transposed, from k q^T)."""
     p = tl.program_id(0)
@@ -337,8 +364,8 @@ def bwd_dvl_kernel(q, k, do, gc, cu, table, dvl, scale, H, HV, K: tl.constexpr, 
     if n < 0:
         return
     ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(cu + n).to(tl.int64)
-    eos = tl.load(cu + n + 1).to(tl.int64)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -350,7 +377,7 @@ def bwd_dvl_kernel(q, k, do, gc, cu, table, dvl, scale, H, HV, K: tl.constexpr, 
     b_qt = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
     b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
     b_st = _dot(b_k, b_qt, INTERPRET)  # [j, i]
-    msk = o_t[None, :] >= o_t[:, None]
+    msk = (o_t[None, :] >= o_t[:, None]) & m[None, :]
     b_st = tl.where(msk, b_st * tl.exp(tl.where(msk, b_gc[None, :] - b_gc[:, None], 0.)), 0.) * scale
     b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
     b_dv = _dot(_rnd(b_st, DT, INTERPRET), b_do, INTERPRET)
@@ -359,7 +386,7 @@ def bwd_dvl_kernel(q, k, do, gc, cu, table, dvl, scale, H, HV, K: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dh_kernel(q, k, w, do, dvl, gc, cu, dht, dh0, dhe, dd, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                   FUSE_DVL: tl.constexpr, INTERPRET: tl.constexpr):
     """Reverse state recurrence: dhe[slot] = d(state at the chunk end); dd = full d(dlt); dh0. With FUSE_DVL the
@@ -370,8 +397,8 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, cu, dht, dh0, dhe, dd, scale, H, HV, K: 
     hv = pid % HV
     hk = hv // (HV // H)
     DT = q.dtype.element_ty
-    bos = tl.load(cu + n).to(tl.int64)
-    eos = tl.load(cu + n + 1).to(tl.int64)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     nt = tl.cdiv(eos - bos, BT)
     slot0 = bos // BT + n
     o_t = tl.arange(0, BT)
@@ -399,7 +426,7 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, cu, dht, dh0, dhe, dd, scale, H, HV, K: 
         b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
         if FUSE_DVL:
             b_st = _dot(b_k, b_qr, INTERPRET)  # [j, i] = k_j . q_i (k q^T: no transposed dot result)
-            mst = o_t[None, :] >= o_t[:, None]
+            mst = (o_t[None, :] >= o_t[:, None]) & m[None, :]
             b_st = tl.where(mst, b_st * tl.exp(tl.where(mst, b_gc[None, :] - b_gc[:, None], 0.)), 0.) * scale
             b_dvl = _dot(_rnd(b_st, DT, INTERPRET), b_do, INTERPRET)
         else:
@@ -416,7 +443,7 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, cu, dht, dh0, dhe, dd, scale, H, HV, K: 
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, scale, H, HV, K: tl.constexpr,
+def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, scale, H, HV, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PHASE: tl.constexpr, NPART: tl.constexpr,
                     SLOT0: tl.constexpr, INTERPRET: tl.constexpr):
     """Per chunk and BK-wide slice of K: dq, dk (through o and the state update), dw = -dd h^T and the slice's part
@@ -431,8 +458,8 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
     if n < 0:
         return
     ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(cu + n).to(tl.int64)
-    eos = tl.load(cu + n + 1).to(tl.int64)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -457,7 +484,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
         b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
         b_dw = -_dot(b_dd, b_ht, INTERPRET)
         tl.store(dw + out_k, _rnd(b_dw, dw.dtype.element_ty, INTERPRET), mask=m[:, None])
-        msk = o_t[:, None] >= o_t[None, :]
+        msk = (o_t[:, None] >= o_t[None, :]) & m[:, None]
         b_vnt = tl.load(vn + vt_off, mask=m[None, :], other=0.)
         b_dp = _dot(b_do, b_vnt, INTERPRET)
         b_dp = tl.where(msk, b_dp * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
@@ -471,7 +498,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
             b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
             b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
         g_last = tl.load(gc + last * HV + hv)
-        mskt = o_t[None, :] >= o_t[:, None]
+        mskt = (o_t[None, :] >= o_t[:, None]) & m[None, :]
         b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
         b_dot = tl.load(do + vt_off, mask=m[None, :], other=0.)
         b_dpt = _dot(b_vn, b_dot, INTERPRET)
@@ -494,7 +521,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, cu, table, dq, dk, dw, dgp, sc
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dko, dgp, dv, dbeta, dg, H, HV, K: tl.constexpr,
+def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, se, table, dk, dko, dgp, dv, dbeta, dg, H, HV, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr, INTERPRET: tl.constexpr):
     """Backward through w = A X, u = A Y and A = (I + L)^-1; finishes dk, dv, dbeta and dg (reverse cumsum).
     dko = dk + this kernel's dk (dko may be dk). dgp holds NK partial dG sums per row (added in order). The work is
@@ -506,8 +533,8 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dko, dgp, dv, dbeta,
     if n < 0:
         return
     ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(cu + n).to(tl.int64)
-    eos = tl.load(cu + n + 1).to(tl.int64)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     DT = k.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -523,7 +550,7 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, cu, table, dk, dko, dgp, dv, dbeta,
     b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
     eg = tl.exp(b_gc)
     bx = b_b * eg
-    msk = o_t[:, None] > o_t[None, :]
+    msk = (o_t[:, None] > o_t[None, :]) & m[:, None]
     # A^T, Y^T, X^T, k^T are transposes of loaded (not matmul-produced) tiles: safe on triton 3.6 Hopper
     b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
     b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)

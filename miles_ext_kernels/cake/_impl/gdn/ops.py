@@ -181,13 +181,15 @@ def _empty0(device, dtype=torch.float32):
     return torch.empty(0, dtype=dtype, device=device)
 
 
-def _chunk_table(cu: torch.Tensor, N: int, P: int) -> torch.Tensor:
-    """[P, 2] int32: slot -> (sequence, chunk index), sequence -1 for unused slots. One launch, no sync (a launch
+def _chunk_table(cu: torch.Tensor, N: int, P: int, T: int) -> tuple:
+    """(table [P, 2] int32: slot -> (sequence, chunk index), sequence -1 for unused slots; se [N, 2] int32: each
+    sequence's (bos, eos), cu clamped into [0, T], read by every later kernel). One launch, no sync (a launch
     instead of a dozen torch ops: the forward's first long kernel waits on it, so its host time is exposed)."""
     table = torch.empty(P, 2, dtype=torch.int32, device=cu.device)
+    se = torch.empty(N, 2, dtype=torch.int32, device=cu.device)
     BP = _TABLE_BP
-    kn.chunk_table_kernel[((P + BP - 1) // BP,)](cu, table, N, P, N.bit_length(), BT=BT, BP=BP, num_warps=4)
-    return table
+    kn.chunk_table_kernel[((P + BP - 1) // BP,)](cu, table, se, N, P, T, N.bit_length(), BT=BT, BP=BP, num_warps=4)
+    return table, se
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,9 +247,9 @@ def gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final
         cu = torch.arange(B + 1, dtype=torch.int32, device=device) * T
     else:
         N = cu_seqlens.numel() - 1
-        cu = _c(cu_seqlens.to(torch.int32))
+        cu = _c(cu_seqlens)  # int32 or int64: only the table kernel reads it
     P = build.cdiv(Tt, BT) + N
-    table = _chunk_table(cu, N, P)
+    table, cu = _chunk_table(cu, N, P, Tt)  # from here on `cu` is the clamped [N, 2] (bos, eos)
     gf = _c(g.to(torch.float32))
     bf = _c(beta.to(torch.float32))
     h0 = _c(initial_state.to(torch.float32)) if initial_state is not None else None
@@ -275,7 +277,7 @@ def gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, 
     HV, V = v.shape[2], v.shape[3]
     device, dt = q.device, q.dtype
     Tt = B * T
-    N = cu.numel() - 1
+    N = cu.shape[0]
     P = table.shape[0]
     q, k, v = _c(q), _c(k), _c(v)
     if not use_l2:
@@ -346,9 +348,7 @@ def _gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 output_final_state: bool, use_l2: bool, keep_state: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    outs = gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state)
-    # outputs must not alias inputs (cu may be the caller's int32 cu_seqlens)
-    return tuple(x.clone() if (x is cu_seqlens) else x for x in outs)
+    return gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state)
 
 
 @_gdn_fwd_op.register_fake
@@ -369,7 +369,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, us
     w = e((Tt, HV, K)) if keep_state else e((0,))
     h = e((P, HV, K, V)) if keep_state else e((0,))
     vn = e((Tt, HV, V)) if keep_state else e((0,))
-    cu = e((N + 1,), dtype=torch.int32)
+    cu = e((N, 2), dtype=torch.int32)
     table = e((P, 2), dtype=torch.int32)
     return o, ht, qn, kk, gc, A, w, h, vn, cu, table
 
@@ -447,8 +447,8 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
     I = build.INTERPRET  # noqa: E741
     fuse = _fuse_dvl()
     R = build.Route
-    out = [R(kn.chunk_table_kernel, (i32, i32, 1, 1, 1), (1,), dict(BT=BT, BP=_TABLE_BP, num_warps=4),
-             "chunk_table")]
+    out = [R(kn.chunk_table_kernel, (cu_t, i32, i32, 1, 1, 1, 1), (1,), dict(BT=BT, BP=_TABLE_BP, num_warps=4),
+             f"chunk_table[{str(cu_t)[6:]}]") for cu_t in (i32, torch.int64)]
     for X, name in ((K, "k"),):
         out.append(R(kn.l2norm_fwd_kernel, (bf, bf, bf, bf, 1), (1,),
                      dict(K=X, BR=_rows("l2norm"), INTERPRET=I, **_cfg("l2norm")), f"l2norm_fwd[{name}]"))
