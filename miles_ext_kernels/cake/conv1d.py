@@ -79,7 +79,8 @@ def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
     cu_seqlens: [N + 1] int32/int64 on x's device, cu_seqlens[0] == 0, non-decreasing, cu_seqlens[-1] <= T
                 (document starts; empty documents allowed); None means one document. Rows past cu_seqlens[-1]
                 (padding) count as one more document: they never read the last document's rows, nor it theirs.
-                Never read on the host (not validated: values outside [0, T] are undefined behaviour).
+                Never read on the host (not validated: boundaries that break this give garbage outputs, never a read
+                or write outside the tensors).
     activation: "silu" (alias "swish") or None.
     Returns y [T, D] bfloat16 (contiguous). The variant (det/fast) and the silu-grad option are read when the call
     runs; the backward runs what its forward read.

@@ -94,9 +94,10 @@ def varlen_gqa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_k, s
 
     - q `[T_q, H_q, 256]`, k, v `[T_k, H_kv, 256]`: bf16 CUDA tensors, any row strides with a unit last stride
       (views of one packed QKV projection are read in place); H_q a multiple of H_kv (any ratio).
-    - cu_seqlens_q, cu_seqlens_k: contiguous int32 `[B + 1]` on q's device (as k and v: ValueError otherwise),
-      starting at 0, non-decreasing, ending within T_q / T_k (trusted unless check_seqlens, below: a violation
-      reads out of bounds). Tokens past `cu_seqlens_*[-1]` are padding: their outputs and gradients are 0.
+    - cu_seqlens_q, cu_seqlens_k: contiguous int32 or int64 `[B + 1]` (one dtype for both) on q's device (as k
+      and v: ValueError otherwise), starting at 0, non-decreasing, ending within T_q / T_k (trusted unless
+      check_seqlens, below; boundaries that break this give garbage outputs, never a read or write outside the
+      tensors: the kernels clamp them). Tokens past `cu_seqlens_*[-1]` are padding: outputs and gradients 0.
     - Causal, bottom-right aligned per segment: query i of a segment with L_q queries and L_k keys sees keys
       j <= i + L_k - L_q. A row that sees no key gets output 0, LSE -inf and no gradient. Empty segments,
       T_q = 0 and T_k = 0 are valid.

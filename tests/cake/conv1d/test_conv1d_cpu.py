@@ -209,7 +209,7 @@ def test_routes_declared():
     for wd in ("float32", "bfloat16"):
         rs = routes(weight_dtype=wd)
         labels = [r.label for r in rs]
-        assert len(labels) == len(set(labels)) == 3 * 2 * 2 * (2 + 3) + 3
+        assert len(labels) == len(set(labels)) == 3 * 3 * 2 * (2 + 3) + 3  # W x cu (none, int32, int64) x align
     with pytest.raises(ValueError, match="weight_dtype"):
         routes(weight_dtype="float16")
 

@@ -32,7 +32,8 @@ SCRIPT = textwrap.dedent("""
             dy = torch.randn(700, D, device="cuda", generator=g).to(torch.bfloat16)
             for W in (2, 3, 4):
                 w = (torch.randn(D, W, device="cuda", generator=g) * 0.5).to(wdt)
-                for cu in (None, torch.tensor([0, 1, 5, 400, 700], dtype=torch.int32, device="cuda")):
+                for cu in (None, *(torch.tensor([0, 1, 5, 400, 700], dtype=dt, device="cuda")
+                                   for dt in (torch.int32, torch.int64))):
                     for act in ("silu", None):
                         for variant in ("det", "fast"):
                             for opt in (("bf16", "fp32") if act else ("bf16",)):

@@ -35,7 +35,7 @@ def every_route():
     g = torch.Generator().manual_seed(11)
     wide_q = torch.randn(200, 2, 512, generator=g).to("cuda", torch.bfloat16)[:, :, :256].requires_grad_()
     kv = torch.randn(200, 1, 256, generator=g).to("cuda", torch.bfloat16).requires_grad_()
-    cu = torch.tensor([0, 120, 200], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 120, 200], dtype=torch.int64, device="cuda")  # the int64 boundaries' tile-prefix route
     o = decl.varlen_gqa_attention(wide_q, kv, kv, cu, cu, max_seqlen_k=120)
     dq, dkv = torch.autograd.grad(o, (wide_q, kv), torch.randn(200, 2, 256, generator=g).to("cuda", torch.bfloat16))
     for name, t in (("out", o), ("dq", dq), ("dkv", dkv)):

@@ -47,7 +47,9 @@ def _sigmoid(x, FAST: tl.constexpr):
 
 @_helper
 def _seg_init(cu_ptr, t0, n_seq, n_iter):
-    """Document of token t0: (start, next start, index j), j the largest index with cu[j] <= t0."""
+    """Document of token t0: (start, next start, index j), j the largest index with cu[j] <= t0. The start is clamped
+    into [0, t0] (valid boundaries already are), so whatever cu holds no row before 0 is read and every row of the
+    program's chunk is written."""
     lo = n_seq * 0
     hi = n_seq
     for _ in range(n_iter):
@@ -56,7 +58,7 @@ def _seg_init(cu_ptr, t0, n_seq, n_iter):
         take = v <= t0
         lo = tl.where(take, mid, lo)
         hi = tl.where(take, hi, mid - 1)
-    ss = tl.load(cu_ptr + lo).to(tl.int64)
+    ss = tl.minimum(tl.maximum(tl.load(cu_ptr + lo).to(tl.int64), 0), t0)
     nb = tl.load(cu_ptr + lo + 1, mask=lo < n_seq, other=2147483647).to(tl.int64)
     return ss, nb, lo
 

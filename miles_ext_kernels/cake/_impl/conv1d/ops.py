@@ -50,8 +50,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def _prep_cu(cu: Optional[torch.Tensor]):
     if cu is None:
         return None, 0, 0
-    cu = cu.to(torch.int32)
-    if cu.stride(0) != 1:
+    if cu.stride(0) != 1:  # int32 or int64: the kernels load either
         cu = cu.contiguous()
     cu = _aligned(cu)
     n_seq = cu.numel() - 1
@@ -227,20 +226,20 @@ def routes(*, weight_dtype: str):
     bf = torch.bfloat16
     out = []
     for W in (2, 3, 4):
-        for has_cu in (False, True):
-            cu = torch.int32 if has_cu else None
+        for cu in (None, torch.int32, torch.int64):
+            has_cu = cu is not None
             for align in (1, 8):
                 for act in (0, 1):
                     out.append(build.Route(
                         kernels.conv1d_fwd_kernel, (bf, wdt, bf, cu, 4096, 64, 64, 64, 8, 4), (1, 1),
                         _meta(W, act, has_cu, align, cfgs["fwd"]),
-                        f"fwd[W={W},act={act},cu={int(has_cu)},align={align}]"))
+                        f"fwd[W={W},act={act},cu={str(cu)[6:] or 'none'},align={align}]"))
                 for act_mode in (0, 1, 2):
                     out.append(build.Route(
                         kernels.conv1d_bwd_kernel,
                         (bf, wdt, bf, bf, torch.float32, cu, 4096, 64, 64, 64, 64, 64, 8, 4), (1, 1),
                         _meta(W, act_mode, has_cu, align, cfgs["bwd"]),
-                        f"bwd[W={W},act={act_mode},cu={int(has_cu)},align={align}]"))
+                        f"bwd[W={W},act={act_mode},cu={str(cu)[6:] or 'none'},align={align}]"))
         out.append(build.Route(kernels.dw_reduce_kernel, (torch.float32, wdt, 64, 512, 64), (1, 1),
                                _red_meta(W, cfgs["red"]), f"dw_reduce[W={W}]"))
     return out

@@ -1,8 +1,9 @@
 """Triton kernels of `gqa`: packed causal GQA attention, head dim 256, forward and backward.
 
 Work decomposition (all kernels): a *tile* is a block of rows that starts at a segment start (tiles never straddle
-segments, so a document's bits do not depend on where it sits in the pack). `_tile_prefix_kernel` turns
-`cu_seqlens` into the running count of tiles per segment; a program finds its segment by a binary search over that
+segments, so a document's bits do not depend on where it sits in the pack). `_tile_prefix_kernel` clamps
+`cu_seqlens` into safe boundaries (which every other kernel reads) and turns them into the running count of tiles
+per segment; a program finds its segment by a binary search over that
 prefix, and programs past the last tile zero the padding rows (tokens past `cu_seqlens[-1]`).
 
 Causal alignment is bottom-right per segment: query i of a segment with L_q queries and L_k keys sees keys
@@ -36,19 +37,45 @@ LN2 = 0.6931471805599453
 _RUNTIME = ["sm_scale", "T_q", "T_k", "n_seg", "n_iter", "H_q", "H_kv", "group"]
 
 
-@triton.jit(do_not_specialize=["n_seg", "tile"])
-def _tile_prefix_kernel(CU, TS, n_seg, tile, BLOCK: tl.constexpr):
-    """TS[s] = number of `tile`-row tiles of the segments before s (TS has n_seg + 1 entries)."""
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _safe_bounds(CU, SAFE, idx, valid, has_next, carry, T):
+    """SAFE[idx] for one block of boundaries: cu_seqlens made a non-decreasing sequence in [0, T] that starts at 0
+    (a running maximum, clamped to T). Also the next boundary of each entry, and the new carry (the running max)."""
+    x = tl.minimum(tl.load(CU + idx, mask=valid, other=0), T)
+    x = tl.where(idx == 0, 0, x)
+    run = tl.maximum(tl.associative_scan(x, 0, _max_combine), carry)
+    tl.store(SAFE + idx, run.to(tl.int32), mask=valid)
+    nxt = tl.minimum(tl.load(CU + idx + 1, mask=has_next, other=0), T)
+    return run, tl.maximum(run, nxt), tl.max(tl.where(valid, run, carry), 0)
+
+
+@triton.jit(do_not_specialize=["n_seg", "tile", "T_a", "T_b"])
+def _tile_prefix_kernel(CU_A, CU_B, SAFE_A, SAFE_B, TS, n_seg, tile, T_a, T_b, BLOCK: tl.constexpr):
+    """SAFE_A, SAFE_B: cu_seqlens_a / _b (int32 or int64) as every later kernel reads them, made non-decreasing in
+    [0, T] from 0 (`_safe_bounds`): for any content of cu_seqlens the segments tile [0, SAFE[n_seg]) without gaps or
+    overlaps and the padding programs cover the rest, so no kernel reads or writes outside its tensors and every
+    output row is written (a malformed cu_seqlens gives garbage in the outputs, never a bad access). Valid
+    boundaries pass unchanged. TS[s] = number of `tile`-row tiles of the segments of A before s (n_seg + 1
+    entries); one program."""
     tl.store(TS, 0)
-    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
-    for c in range(0, n_seg, BLOCK):
+    zero = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
+    carry = zero
+    run_a = zero.to(CU_A.dtype.element_ty)
+    run_b = zero.to(CU_B.dtype.element_ty)
+    for c in range(0, n_seg + 1, BLOCK):
         idx = c + tl.arange(0, BLOCK)
-        valid = idx < n_seg
-        lo = tl.load(CU + idx, mask=valid, other=0)
-        hi = tl.load(CU + idx + 1, mask=valid, other=0)
-        cnt = tl.where(valid, (tl.maximum(hi - lo, 0) + tile - 1) // tile, 0)
+        valid = idx <= n_seg
+        seg = idx < n_seg
+        lo, hi, run_a = _safe_bounds(CU_A, SAFE_A, idx, valid, seg, run_a, T_a)
+        _l, _h, run_b = _safe_bounds(CU_B, SAFE_B, idx, valid, seg, run_b, T_b)
+        cnt = tl.where(seg, ((hi - lo) + tile - 1) // tile, 0).to(tl.int32)
         cs = tl.cumsum(cnt, 0) + carry
-        tl.store(TS + idx + 1, cs, mask=valid)
+        tl.store(TS + idx + 1, cs, mask=seg)
         carry += tl.sum(cnt, 0)
 
 

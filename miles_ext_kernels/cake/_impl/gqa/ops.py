@@ -202,11 +202,22 @@ def _cu_ready(cu: torch.Tensor) -> torch.Tensor:
     return cu.clone() if cu.data_ptr() % 16 else cu
 
 
-def _prefix(cu: torch.Tensor, ts: torch.Tensor, tile: int, cfg) -> None:
-    n_seg = cu.shape[0] - 1
+def _bounds_buffer(n: int) -> int:
+    """int32 entries of one boundary or tile-prefix array of n entries, padded so the next starts 16-byte aligned."""
+    return cdiv(n, 4) * 4
+
+
+def _prefix(cu_a, cu_b, T_a: int, T_b: int, buf: torch.Tensor, tile: int, cfg) -> tuple:
+    """One launch: the safe boundaries of both sides (cu_seqlens clamped so that no content makes a kernel leave its
+    tensors; valid boundaries unchanged) and the tile prefix of side a. `buf`: int32, 3 * _bounds_buffer(n) entries.
+    Returns (safe_a, safe_b, ts)."""
+    n = cu_a.shape[0]
+    m = _bounds_buffer(n)
+    safe_a, safe_b, ts = buf[:n], buf[m:m + n], buf[2 * m:2 * m + n]
     c = cfg["prefix"]
-    K._tile_prefix_kernel[(1,)](cu, ts, n_seg, tile, BLOCK=c["BLOCK"], num_warps=c["num_warps"],
-                                num_stages=c["num_stages"])
+    K._tile_prefix_kernel[(1,)](cu_a, cu_b, safe_a, safe_b, ts, n - 1, tile, T_a, T_b, BLOCK=c["BLOCK"],
+                                num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return safe_a, safe_b, ts
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,8 +236,8 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     upper = cdiv(T_q, c["BM"]) + B
     if upper * H_q == 0:
         return out, lse
-    ts = torch.empty(B + 1, dtype=torch.int32, device=q.device)
-    _prefix(cu_q, ts, c["BM"], cfg)
+    buf = torch.empty(3 * _bounds_buffer(B + 1), dtype=torch.int32, device=q.device)
+    cu_q, cu_k, ts = _prefix(cu_q, cu_k, T_q, k.shape[0], buf, c["BM"], cfg)
     sqt, sqh = _strides(q)
     skt, skh = _strides(k)
     svt, svh = _strides(v)
@@ -272,15 +283,17 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     dk = torch.empty((T_k, H_kv, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((T_k, H_kv, D), dtype=v.dtype, device=v.device)
     cq, ckv, cd = cfg["dq"], cfg["dkdv"], cfg["delta"]
-    # one scratch buffer: [fp32 dQ accumulator (fused only)] [delta fp32 H_q*T_q] [tile prefix q] [tile prefix k]
+    # one scratch buffer: [fp32 dQ accumulator (fused only)] [delta fp32 H_q*T_q] [boundaries + tile prefix, q pass]
+    # [boundaries + tile prefix, k pass]
     n_acc = _align(T_q * H_q * D * 4) if fused else 0
     n_delta = _align(H_q * T_q * 4)
-    n_ts = _align((B + 1) * 4)
+    n_ts = _align(3 * _bounds_buffer(B + 1) * 4)
     scratch = workspace.take(SCRATCH_ROLE, n_acc + n_delta + 2 * n_ts, device=q.device)
     dqa = scratch[:n_acc].view(torch.float32) if fused else scratch[:16].view(torch.float32)
     delta = scratch[n_acc:n_acc + n_delta].view(torch.float32)
-    ts_q = scratch[n_acc + n_delta:n_acc + n_delta + n_ts].view(torch.int32)
-    ts_k = scratch[n_acc + n_delta + n_ts:].view(torch.int32)
+    buf_q = scratch[n_acc + n_delta:n_acc + n_delta + n_ts].view(torch.int32)
+    buf_k = scratch[n_acc + n_delta + n_ts:].view(torch.int32)
+    cu_q_raw, cu_k_raw = cu_q, cu_k
     sqt, sqh = _strides(q)
     skt, skh = _strides(k)
     svt, svh = _strides(v)
@@ -290,7 +303,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     if not fused:
         # dQ first: its kernel also writes delta = rowsum(dO * O), which the dK/dV kernel reads
         if upper_q * H_q > 0 and "dq" in parts:
-            _prefix(cu_q, ts_q, cq["BM"], cfg)
+            cu_q, cu_k, ts_q = _prefix(cu_q_raw, cu_k_raw, T_q, T_k, buf_q, cq["BM"], cfg)
             cgq = cfg.get("dq_gluon")
             if cgq is not None and GB is not None and not INTERPRET and _gluon_bwd_fits(q, k, v, do):
                 assert cgq["BM"] == cq["BM"]  # the tile prefix above counts tiles of BM rows
@@ -324,7 +337,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     if fused:
         dqa.zero_()
     if upper_k * H_kv > 0 and "dkdv" in parts:
-        _prefix(cu_k, ts_k, tile_k, cfg)
+        cu_k, cu_q, ts_k = _prefix(cu_k_raw, cu_q_raw, T_k, T_q, buf_k, tile_k, cfg)
         if gluon:
             GB.dkdv_kernel[(upper_k * H_kv,)](
                 _gluon_desc(q, cg["BM"]), _gluon_desc(k, cg["BN"]), _gluon_desc(v, cg["BN"]), _gluon_desc(do, cg["BM"]),
@@ -369,7 +382,8 @@ def routes(**model_params):
     # (the dK/dV kernel's S_ROWS flag is part of the fixed config)
 
     c = cfg["prefix"]
-    out = [Route(K._tile_prefix_kernel, (i32, i32, n, 64), (1,), {"BLOCK": c["BLOCK"], **launch(c)}, "tile_prefix")]
+    out = [Route(K._tile_prefix_kernel, (cu_t, cu_t, i32, i32, i32, n, 64, n, n), (1,),
+                 {"BLOCK": c["BLOCK"], **launch(c)}, f"tile_prefix[{str(cu_t)[6:]}]") for cu_t in (i32, torch.int64)]
     c = cfg["fwd"]
     out.append(Route(K._fwd_kernel, (bf, bf, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n) + (st, sh) * 4,
                      (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "DIAG_ONLY": c.get("DIAG_ONLY", False),
@@ -504,7 +518,7 @@ def _check_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_s
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_tensor(name, t, dtype=torch.bfloat16, ndim=3, last_stride_one=True)
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        checks.check_tensor(name, t, dtype=torch.int32, ndim=1, last_stride_one=True)
+        checks.check_tensor(name, t, dtype=(torch.int32, torch.int64), ndim=1, last_stride_one=True)
     checks.check_same_device([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                               ("cu_seqlens_k", cu_seqlens_k)])
     check_device(q, "q")
@@ -522,6 +536,8 @@ def _check_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_s
         raise ValueError(f"q's heads ({H_q}) must be a multiple of k's heads ({H_kv})")
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q must hold at least one entry (B + 1 boundaries)")
+    if cu_seqlens_k.dtype != cu_seqlens_q.dtype:
+        raise TypeError(f"cu_seqlens_k must have cu_seqlens_q's dtype {cu_seqlens_q.dtype}, got {cu_seqlens_k.dtype}")
     if cu_seqlens_k.shape != cu_seqlens_q.shape:
         raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape {tuple(cu_seqlens_q.shape)}, got "
                          f"{tuple(cu_seqlens_k.shape)}")
