@@ -15,9 +15,9 @@ slot = bos[n] // BT + n + chunk index (P = cdiv(T, BT) + N slots bound it withou
 `table` [P, 2] int32 maps a slot to (sequence or -1, chunk index); `se` [N, 2] int32 holds each sequence's
 (bos, eos), cu_seqlens clamped into [0, T] by the table kernel (the only kernel that reads cu_seqlens).
 
-Rows past a document's end are loaded as zeros (G = 0 in every kernel after the prep): every exp(G_i - G_j) over a
-pair of rows is masked by the row's validity as well as causality, or a strong decay (G_j < -88.7) makes it inf and
-0 * inf a NaN that a matmul spreads to every row of the chunk.
+Rows past a document's end are loaded as zeros, but their G as the document's last G (`_chunk_gc`, and the prep's
+cumsum of g = 0): an exp(G_i - G_j) over a pair of rows never has a positive argument, which a strong decay
+(G_j < -88.7) would overflow into inf and 0 * inf into a NaN that a matmul spreads to every row of the chunk.
 
 No kernel transposes a `tl.dot` result: every transposed operand is loaded transposed from memory (triton 3.4 -
 3.7.0 miscompile `tl.trans` of a wgmma result fed to another dot on Hopper). No atomics: every sum has one fixed
@@ -57,6 +57,14 @@ def _rnd(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
     else:
         r = x.to(DT)
     return r
+
+
+@triton.jit
+def _chunk_gc(gc, rows, eos, hv, HV):
+    """G of a chunk's rows, rows past the document's end reading its last row's: G only falls along a document, so no
+    exp(G_i - G_j) with a padding row i has a positive argument (a padding G of 0 overflowed it once G_j < -88.7,
+    and 0 * inf spread NaN through the chunk's matmuls). Padding rows' q, k, v, beta are 0, so their terms stay 0."""
+    return tl.load(gc + tl.minimum(rows, eos - 1) * HV + hv)
 
 
 @triton.jit
@@ -341,11 +349,11 @@ def fwd_o_kernel(q, k, vn, gc, h, se, table, o, scale, H, HV, K: tl.constexpr, V
     m = rows < eos
     b_q = tl.load(q + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
     b_kt = tl.load(k + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
-    b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
+    b_gc = _chunk_gc(gc, rows, eos, hv, HV)
     b_h = tl.load(h + (p.to(tl.int64) * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :])
     b_o = _dot(b_q, b_h, INTERPRET) * (tl.exp(b_gc) * scale)[:, None]
     b_s = _dot(b_q, b_kt, INTERPRET)
-    msk = (o_t[:, None] >= o_t[None, :]) & m[:, None]
+    msk = o_t[:, None] >= o_t[None, :]
     b_s = tl.where(msk, b_s * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
     b_vn = tl.load(vn + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
     b_o += _dot(_rnd(b_s, DT, INTERPRET), b_vn, INTERPRET)
@@ -375,9 +383,9 @@ def bwd_dvl_kernel(q, k, do, gc, se, table, dvl, scale, H, HV, K: tl.constexpr, 
     m = rows < eos
     b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
     b_qt = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
-    b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
+    b_gc = _chunk_gc(gc, rows, eos, hv, HV)
     b_st = _dot(b_k, b_qt, INTERPRET)  # [j, i]
-    msk = (o_t[None, :] >= o_t[:, None]) & m[None, :]
+    msk = o_t[None, :] >= o_t[:, None]
     b_st = tl.where(msk, b_st * tl.exp(tl.where(msk, b_gc[None, :] - b_gc[:, None], 0.)), 0.) * scale
     b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
     b_dv = _dot(_rnd(b_st, DT, INTERPRET), b_do, INTERPRET)
@@ -473,7 +481,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
     vt_off = rows[None, :] * (HV * V) + hv * V + o_v[:, None]
     st_t = (p.to(tl.int64) * HV + hv) * (K * V) + o_k[None, :] * V + o_v[:, None]  # [V, BK] view of a state
     out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-    b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
+    b_gc = _chunk_gc(gc, rows, eos, hv, HV)
     last = tl.minimum(t0 + BT, eos) - 1
     b_dg = tl.zeros([BT], dtype=tl.float32)
     # phases with short live ranges (fewer operand tiles live at once): dq and dw, then dk, then dg's last term
@@ -484,7 +492,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
         b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
         b_dw = -_dot(b_dd, b_ht, INTERPRET)
         tl.store(dw + out_k, _rnd(b_dw, dw.dtype.element_ty, INTERPRET), mask=m[:, None])
-        msk = (o_t[:, None] >= o_t[None, :]) & m[:, None]
+        msk = o_t[:, None] >= o_t[None, :]
         b_vnt = tl.load(vn + vt_off, mask=m[None, :], other=0.)
         b_dp = _dot(b_do, b_vnt, INTERPRET)
         b_dp = tl.where(msk, b_dp * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
@@ -498,7 +506,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
             b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
             b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
         g_last = tl.load(gc + last * HV + hv)
-        mskt = (o_t[None, :] >= o_t[:, None]) & m[None, :]
+        mskt = o_t[None, :] >= o_t[:, None]
         b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
         b_dot = tl.load(do + vt_off, mask=m[None, :], other=0.)
         b_dpt = _dot(b_vn, b_dot, INTERPRET)
@@ -547,10 +555,10 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, se, table, dk, dko, dgp, dv, dbeta,
     w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
 
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
-    b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
+    b_gc = _chunk_gc(gc, rows, eos, hv, HV)
     eg = tl.exp(b_gc)
     bx = b_b * eg
-    msk = (o_t[:, None] > o_t[None, :]) & m[:, None]
+    msk = o_t[:, None] > o_t[None, :]
     # A^T, Y^T, X^T, k^T are transposes of loaded (not matmul-produced) tiles: safe on triton 3.6 Hopper
     b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
     b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
