@@ -203,7 +203,7 @@ def run(ops, rounds: int, out: str | None) -> int:
             best = {p: float("inf") for p in pkgs}
             for _ in range(rounds):
                 for p in pkgs:
-                    best[p] = min(best[p], device_ms(lambda: call(p, x), warmup=3, rep=10, lead_ms=5.0))
+                    best[p] = min(best[p], device_ms(lambda p=p, x=x: call(p, x), warmup=3, rep=10, lead_ms=5.0))
             row = dict(op=op, case=label, bits_equal=same, differ=",".join(map(str, differ)),
                        old_ms=best["mek_old"], new_ms=best["miles_ext_kernels"])
             row["new/old"] = row["new_ms"] / row["old_ms"]

@@ -113,17 +113,20 @@ def check_device(t, name: str, archs: tuple[str, ...] = ("sm_90a",)) -> str:
 class Route:
     """One kernel specialization: `kernel.warmup(*args, grid=grid, **constexprs)` compiles what a call launches.
 
-    Torch dtypes stand in for tensors in `args`; `constexprs` holds the kernel's constexpr arguments plus
-    `num_warps` / `num_stages`. `label` names the route in progress output and errors.
+    Torch dtypes stand in for tensors in `args` (positional, or keyword arguments as recorded by
+    `launch.collect_routes`); `constexprs` holds the kernel's constexpr arguments plus `num_warps` / `num_stages`
+    (with keyword `args` they are in `args`). `label` names the route in progress output and errors.
     """
 
     kernel: Any
-    args: tuple
+    args: Any
     grid: tuple
     constexprs: dict
     label: str
 
     def warmup(self):
+        if isinstance(self.args, dict):
+            return self.kernel.warmup(grid=self.grid, **self.args, **self.constexprs)
         return self.kernel.warmup(*self.args, grid=self.grid, **self.constexprs)
 
 

@@ -6,7 +6,7 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
-from miles_ext_kernels.cake._runtime import registry
+from miles_ext_kernels.cake._runtime import registry, varlen
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
 
 pytestmark = pytest.mark.interpreter
@@ -83,8 +83,8 @@ def test_state_kernels_wide_and_narrow_tiles(narrow_below, monkeypatch):
     monkeypatch.setitem(configs.CFG, "dh_narrow", dict(configs.CFG["dh_narrow"], BV=32))
     monkeypatch.setattr(configs, "NARROW_BELOW", narrow_below)
     want = ("h_narrow", 32) if narrow_below else ("h", 64)
-    assert ops._state_cfg("h", 64, 3 * 4) == want
-    assert ops._state_cfg("dh", 64, 3 * 4) == ("dh" + want[0][1:], want[1])
+    assert ops._state_cfg(configs.CFG, "h", 64, 3 * 4) == want
+    assert ops._state_cfg(configs.CFG, "dh", 64, 3 * 4) == ("dh" + want[0][1:], want[1])
     for keep in (True, False):
         errs = _fp32_case([15, 70, 50], 2, 4, 16, 64, True, keep)
         for name, err in errs.items():
@@ -97,7 +97,7 @@ def test_dqkw_in_k_slices(bk, bk_dk, split, monkeypatch):
     order) matches the FP64 recurrence in fp32, split into two launches or not."""
     configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
     monkeypatch.setitem(configs.CFG, "dqkw", dict(configs.CFG["dqkw"], BK=bk, BK_dk=bk_dk, SPLIT=split))
-    launches, slots = ops._dqkw_launches(64)
+    launches, slots = ops._dqkw_launches(configs.CFG, 64)
     assert slots == (64 // bk + 64 // bk_dk if split else 64 // bk) and slots > 1
     errs = _fp32_case([15, 70, 50], 2, 4, 64, 32, True, True)
     for name, err in errs.items():
@@ -270,7 +270,7 @@ def test_chunk_table_kernel(lens):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     N, T = len(lens), int(cu[-1])
     P = (T + BT - 1) // BT + N
-    got, se = ops._chunk_table(cu, N, P, T)
+    got, se = varlen.chunk_table(cu, N, P, T, BT)
     assert torch.equal(se, torch.stack([cu[:-1], cu[1:]], 1))
     want = torch.full((P,), -1, dtype=torch.int32)
     want_ic = torch.zeros(P, dtype=torch.int32)
@@ -303,3 +303,17 @@ def test_strong_decay_and_full_forget_give_finite_results(lens, decay, full_forg
     for n in ours:
         assert torch.isfinite(ours[n]).all(), n
         check_budget(n, ours[n], ref[n], BUDGETS_VARLEN[n])
+
+
+def test_routes_are_the_launchers_launches():
+    """routes() runs the launchers on meta tensors over every flag: 28 distinct specializations (the table kernel for
+    int32 and int64 cu_seqlens; the state kernels with and without initial / final state, wide and narrow), each
+    recorded from a real launch site, so none can drift from what a call launches."""
+    rs = ops.routes(128, 128)
+    labels = [r.label for r in rs]
+    assert len(labels) == len(set(labels)) == 28
+    assert sum(lab.startswith("chunk_table_kernel[") for lab in labels) == 2
+    assert sum(lab.startswith("fwd_h_kernel[") for lab in labels) == 8
+    assert sum(lab.startswith("bwd_dh_kernel[") for lab in labels) == 8
+    with pytest.raises(ValueError, match="head dims"):
+        ops.routes(24, 128)

@@ -79,7 +79,7 @@ def test_state_tiles_wide_and_narrow_within_budgets(case, narrow_below, monkeypa
     configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
     ops = importlib.import_module("miles_ext_kernels.cake._impl.gdn.ops")
     monkeypatch.setattr(configs, "NARROW_BELOW", narrow_below)
-    assert ops._state_cfg("h", V, len(LENS) * HV)[0] == ("h_narrow" if narrow_below else "h")
+    assert ops._state_cfg(configs.CFG, "h", V, len(LENS) * HV)[0] == ("h_narrow" if narrow_below else "h")
     got = demo_mod.run_impl(inp, l2=True)
     again = demo_mod.run_impl(inp, l2=True)
     for name in got:

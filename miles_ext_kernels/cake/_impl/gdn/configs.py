@@ -1,7 +1,6 @@
 """Fixed launch configs of the gdn kernels (no autotuning: a new process picks the same config, hence the same
 bits), chosen per kernel by a sweep at the shape of record (32k tokens, HV 32, K = V = 128) on an H200 (sm_90a,
 triton 3.6). BV / BK are capped at the head dims.
-- dh FUSE_DVL: the state backward computes the in-chunk dv itself (no bwd_dvl launch).
 - dqkw BK < K: dq / dk / dw in K slices (the WY backward adds their partial dG in slice order); SPLIT: dq, dw and
   dk in two launches (fewer live tiles each; num_warps_dk, BK_dk are the dk launch's).
 - final LOW_PARTIALS: the per-value-head dq, dk sums read by bwd_final kept in the input dtype (bf16: half the bytes,
@@ -24,10 +23,14 @@ CFG = {
     "h_narrow": dict(num_warps=4, num_stages=3, BV=32),
     "o": dict(num_warps=4),
     "dvl": dict(num_warps=4),
-    "dh": dict(num_warps=8, num_stages=1, BV=128, FUSE_DVL=False),
+    "dh": dict(num_warps=8, num_stages=1, BV=128),
     "dh_narrow": dict(num_warps=4, num_stages=2, BV=32),
     "dqkw": dict(num_warps=4, BK=128, SPLIT=True, num_warps_dk=4, BK_dk=128),
     "wy": dict(num_warps=4),
     "final": dict(num_warps=4, BR=16, LOW_PARTIALS=True, LOW_DK=True),
 }
 NARROW_BELOW = 128  # programs of the wide state tiles under which h_narrow / dh_narrow are used
+DEFAULT_STAGES = 2  # num_stages where an entry has none (the chunk kernels have no pipelined loop)
+
+# per arch; the interpreter (CPU tests) runs the same table
+CONFIGS = {"sm_90a": CFG, "interpreter": CFG}

@@ -93,48 +93,6 @@ def l2norm_fwd_kernel(x, y, x2, y2, R, K: tl.constexpr, BR: tl.constexpr, INTERP
         _l2norm_rows(x2, y2, off, m, INTERPRET)
 
 
-@triton.jit
-def _seq_bounds(cu, n, T, mask):
-    """(bos, eos) of sequence n from cu_seqlens, clamped so that 0 <= bos <= eos <= T whatever cu holds: every row a
-    kernel touches lies in [bos, eos), so no content of cu_seqlens makes a kernel leave its tensors (a malformed
-    cu_seqlens gives garbage in the outputs, never a bad access)."""
-    bos = tl.minimum(tl.maximum(tl.load(cu + n, mask=mask, other=0), 0), T)
-    eos = tl.minimum(tl.maximum(tl.load(cu + n + 1, mask=mask, other=0), bos), T)
-    return bos, eos
-
-
-@triton.jit(do_not_specialize=["N", "P", "T", "steps"])
-def chunk_table_kernel(cu, table, se, N, P, T, steps, BT: tl.constexpr, BP: tl.constexpr):
-    """table[p] = (sequence n, chunk index) of chunk slot p, or (-1, _) for an unused slot; se[n] = (bos, eos) of
-    sequence n clamped into [0, T] (`_seq_bounds`), which every later kernel reads instead of cu_seqlens. Sequence n
-    owns the slots from start[n] = bos[n] // BT + n on (a bound that needs no device->host sync: for any clamped
-    bounds its slots end below cdiv(T, BT) + N = P); a vectorised binary search finds the last n with
-    start[n] <= p (`steps` >= log2(N + 1) halvings)."""
-    ids = tl.program_id(0) * BP + tl.arange(0, BP)
-    lo = tl.zeros([BP], dtype=tl.int32)
-    hi = tl.zeros([BP], dtype=tl.int32) + N
-    for _ in range(0, steps):
-        go = lo < hi
-        mid = (lo + hi) // 2
-        b_mid = tl.minimum(tl.maximum(tl.load(cu + mid, mask=go, other=0), 0), T)
-        start = b_mid // BT + mid
-        up = go & (start <= ids)
-        lo = tl.where(up, mid + 1, lo)
-        hi = tl.where(go & (start > ids), mid, hi)
-    n = tl.maximum(lo - 1, 0)
-    m = ids < P
-    bos, eos = _seq_bounds(cu, n, T, m)
-    ic = ids - (bos // BT + n)
-    nch = (eos - bos + BT - 1) // BT
-    n = tl.where((ic >= 0) & (ic < nch), n, -1)
-    tl.store(table + 2 * ids, n, mask=m)
-    tl.store(table + 2 * ids + 1, ic.to(tl.int32), mask=m)
-    ms = ids < N
-    sb, sn = _seq_bounds(cu, ids, T, ms)
-    tl.store(se + 2 * ids, sb.to(tl.int32), mask=ms)
-    tl.store(se + 2 * ids + 1, sn.to(tl.int32), mask=ms)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _prep_rows(k, g, beta, gc, rows, m, off, hk, hv, H, HV, K: tl.constexpr):
@@ -396,9 +354,9 @@ def bwd_dvl_kernel(q, k, do, gc, se, table, dvl, scale, H, HV, K: tl.constexpr, 
 @triton.jit(do_not_specialize=["H", "HV"])
 def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                  FUSE_DVL: tl.constexpr, INTERPRET: tl.constexpr):
-    """Reverse state recurrence: dhe[slot] = d(state at the chunk end); dd = full d(dlt); dh0. With FUSE_DVL the
-    in-chunk part of d(dlt) (bwd_dvl_kernel's) is computed here (`dvl` unused) instead of read."""
+                  INTERPRET: tl.constexpr):
+    """Reverse state recurrence: dhe[slot] = d(state at the chunk end); dd = full d(dlt) (dvl, its in-chunk part
+    from bwd_dvl_kernel, plus the state's); dh0."""
     iv = tl.program_id(1)
     pid = tl.program_id(0)  # (sequence, value head) on the unbounded grid axis
     n = pid // HV
@@ -432,14 +390,8 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: 
         b_kd = _rnd((b_k.to(tl.float32) * fac[:, None]), DT, INTERPRET)
         b_qr = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)  # q^T
         b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
-        if FUSE_DVL:
-            b_st = _dot(b_k, b_qr, INTERPRET)  # [j, i] = k_j . q_i (k q^T: no transposed dot result)
-            mst = (o_t[None, :] >= o_t[:, None]) & m[None, :]
-            b_st = tl.where(mst, b_st * tl.exp(tl.where(mst, b_gc[None, :] - b_gc[:, None], 0.)), 0.) * scale
-            b_dvl = _dot(_rnd(b_st, DT, INTERPRET), b_do, INTERPRET)
-        else:
-            b_dvl = tl.load(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None],
-                            other=0.).to(tl.float32)
+        b_dvl = tl.load(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None],
+                        other=0.).to(tl.float32)
         b_dd = b_dvl + _dot(b_kd, _rnd(b_dh, DT, INTERPRET), INTERPRET)
         b_dd = _rnd(b_dd, DT, INTERPRET)
         tl.store(dd + rows[:, None] * (HV * V) + hv * V + o_v[None, :], b_dd, mask=m[:, None])

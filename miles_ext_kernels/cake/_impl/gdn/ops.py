@@ -1,4 +1,4 @@
-"""Chunked Gated DeltaNet: operand checks, launchers, torch.library custom ops, autograd.
+"""Chunked Gated DeltaNet: operand checks, launchers, autograd.
 
 Forward: [L2 norm of q, k] -> prep (gc = in-chunk cumsum of g, A = (I + L)^-1) -> w, u -> state recurrence
 (h per chunk, dlt) -> o. Backward: [recompute w, u, h, dlt] -> in-chunk d(dlt) -> reverse state recurrence (d of
@@ -6,7 +6,8 @@ every chunk-end state, full d(dlt), dh0) -> dq, dk, dw, partial dg -> WY backwar
 dk over the value heads of each key head (fixed order) and back through the L2 norm.
 
 Both variants launch the same kernels: no kernel uses atomics and every split sum is added in one fixed order, so
-`fast` is `det`. Launch configs: configs.py (fixed per kernel).
+`fast` is `det`. Launch configs: configs.py (fixed per arch). Every launch goes through `_runtime.launch.launch`;
+`routes()` runs these launchers on meta tensors, so prebuild compiles exactly what they launch.
 """
 from __future__ import annotations
 
@@ -14,88 +15,73 @@ import math
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from miles_ext_kernels.cake._runtime import build, checks, config, workspace
+from miles_ext_kernels.cake._runtime import build, checks, config, varlen, workspace
+from miles_ext_kernels.cake._runtime.autograd import KernelOp
 from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
+from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
+from miles_ext_kernels.cake._runtime.operands import operand
 from miles_ext_kernels.cake.gdn import HEAD_DIMS  # the declaration owns the served head dims
+from miles_ext_kernels.cake.gdn import OP as SPEC
 
 from . import configs
 from . import kernels as kn
 
-OP = "gdn"
+OP = SPEC.name
 BT = kn.BT
 IN_DTYPES = (torch.bfloat16,)
 GATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-_STAGES = 2  # default (the chunk kernels have no pipelined loop)
-_TABLE_BP = 128  # chunk slots per program of the chunk-table kernel
+INTERPRET = build.INTERPRET
 
 
-def _cfg(name: str) -> dict:
-    """Launch options of one kernel (configs.CFG): num_warps, num_stages, and its tile constexprs."""
-    c = configs.CFG[name]
-    out = dict(num_warps=c["num_warps"], num_stages=c.get("num_stages", _STAGES))
-    return out
+def _cfg(tab: dict, name: str) -> dict:
+    """Launch options of one kernel: num_warps, num_stages (configs.DEFAULT_STAGES unless its entry says)."""
+    c = tab[name]
+    return dict(num_warps=c["num_warps"], num_stages=c.get("num_stages", configs.DEFAULT_STAGES))
 
 
-def _bv(name: str, V: int) -> int:
-    return min(V, configs.CFG[name]["BV"])
+def _bv(tab: dict, name: str, V: int) -> int:
+    return min(V, tab[name]["BV"])
 
 
-def _state_cfg(name: str, V: int, seq_heads: int) -> tuple:
+def _state_cfg(tab: dict, name: str, V: int, seq_heads: int) -> tuple:
     """(config name, BV) of a sequential state kernel ("h": fwd_h, "dh": bwd_dh), which runs one program per
     (sequence, value head, BV block): the narrow config when the wide tiles would leave most SMs idle."""
-    bv = _bv(name, V)
-    if seq_heads * (V // bv) < configs.NARROW_BELOW and _bv(name + "_narrow", V) < bv:
+    bv = _bv(tab, name, V)
+    if seq_heads * (V // bv) < configs.NARROW_BELOW and _bv(tab, name + "_narrow", V) < bv:
         name += "_narrow"
-        bv = _bv(name, V)
+        bv = _bv(tab, name, V)
     return name, bv
 
 
-def _bk(K: int, phase: int = 0) -> int:
-    return min(K, configs.CFG["dqkw"]["BK_dk" if phase == 2 else "BK"])
-
-
-def _dqkw_launches(K: int) -> list:
-    """(phase, BK, first dG slot) of each dq / dk / dw launch, and the number of dG slots."""
+def _dqkw_launches(tab: dict, K: int) -> tuple:
+    """(phase, BK, first dG slot) of each dq / dk / dw launch, and the number of dG slots. Phases: (0,) one launch
+    of all three; (1, 2) a dq, dw launch and a dk launch (fewer live tiles each, each with its own BK)."""
+    c = tab["dqkw"]
     out, slot = [], 0
-    for phase in _dqkw_phases():
-        bk = _bk(K, phase)
+    for phase in ((1, 2) if c["SPLIT"] else (0,)):
+        bk = min(K, c["BK_dk" if phase == 2 else "BK"])
         out.append((phase, bk, slot))
         slot += K // bk
     return out, slot
 
 
-def _fuse_dvl() -> bool:
-    return bool(configs.CFG["dh"]["FUSE_DVL"])
-
-
-def _dqkw_phases() -> tuple:
-    """(0,): one dq / dk / dw launch; (1, 2): a dq, dw launch and a dk launch."""
-    return (1, 2) if configs.CFG["dqkw"]["SPLIT"] else (0,)
-
-
-def _dqkw_cfg(phase: int) -> dict:
-    c = _cfg("dqkw")
+def _dqkw_cfg(tab: dict, phase: int) -> dict:
+    c = _cfg(tab, "dqkw")
     if phase == 2:  # the dk launch has its own warp count
-        c["num_warps"] = configs.CFG["dqkw"]["num_warps_dk"]
+        c["num_warps"] = tab["dqkw"]["num_warps_dk"]
     return c
 
 
-def _rows(name: str) -> int:
-    return configs.CFG[name]["BR"]
-
-
-def _pdt(dt):
+def _pdt(tab: dict, dt):
     """dtype of the per-value-head dq, dk sums read by bwd_final: the input dtype (one more rounding, half the
     bytes) or fp32."""
-    return dt if configs.CFG["final"]["LOW_PARTIALS"] else torch.float32
+    return dt if tab["final"]["LOW_PARTIALS"] else torch.float32
 
 
-def _kdt(dt):
+def _kdt(tab: dict, dt):
     """dtype of dqkw's dk part, read back (and completed) by the WY backward: the input dtype or fp32."""
-    return dt if configs.CFG["final"]["LOW_DK"] else torch.float32
+    return dt if tab["final"]["LOW_DK"] else torch.float32
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -161,18 +147,13 @@ def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2
     return B, T, H, K, HV, V, N
 
 
-def _c(x: torch.Tensor) -> torch.Tensor:
-    """Contiguous and 16-byte aligned (kernels are specialized on aligned pointers)."""
-    x = x.contiguous()
-    if x.numel() and x.data_ptr() % 16:
-        x = x.clone()
-    return x
+def _c(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (the kernels index rows densely and are specialized on aligned pointers)."""
+    return operand(x, OP, name, contiguous=True)
 
 
 def _ws(role: str, shape, dtype, device) -> torch.Tensor:
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     size = numel * dtype.itemsize
     return workspace.take((OP, role), max(size, 16), device=device)[:size].view(dtype).view(shape)
 
@@ -181,20 +162,9 @@ def _empty0(device, dtype=torch.float32):
     return torch.empty(0, dtype=dtype, device=device)
 
 
-def _chunk_table(cu: torch.Tensor, N: int, P: int, T: int) -> tuple:
-    """(table [P, 2] int32: slot -> (sequence, chunk index), sequence -1 for unused slots; se [N, 2] int32: each
-    sequence's (bos, eos), cu clamped into [0, T], read by every later kernel). One launch, no sync (a launch
-    instead of a dozen torch ops: the forward's first long kernel waits on it, so its host time is exposed)."""
-    table = torch.empty(P, 2, dtype=torch.int32, device=cu.device)
-    se = torch.empty(N, 2, dtype=torch.int32, device=cu.device)
-    BP = _TABLE_BP
-    kn.chunk_table_kernel[((P + BP - 1) // BP,)](cu, table, se, N, P, T, N.bit_length(), BT=BT, BP=BP, num_warps=4)
-    return table, se
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # launchers (no autograd)
-def _fwd_state(kk, w, u, gc, cu, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_prefix):
+def _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_prefix):
     """Run the state recurrence; returns (h, vn, ht)."""
     T = kk.shape[0] * kk.shape[1]
     h = (_ws(ws_prefix + "h", (P, HV, K, V), dt, device) if ws_prefix
@@ -202,44 +172,50 @@ def _fwd_state(kk, w, u, gc, cu, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_
     vn = (_ws(ws_prefix + "vn", (T, HV, V), dt, device) if ws_prefix
           else torch.empty(T, HV, V, dtype=dt, device=device))
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_ht else _empty0(device)
-    cname, BV = _state_cfg("h", V, N * HV)
-    kn.fwd_h_kernel[(N * HV, V // BV)](
-        kk, w, u, gc, cu, h0 if h0 is not None else gc, h, vn, ht if want_ht else gc, H, HV,
-        K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=want_ht, INTERPRET=build.INTERPRET, **_cfg(cname))
+    cname, BV = _state_cfg(tab, "h", V, N * HV)
+    launch(kn.fwd_h_kernel, (N * HV, V // BV), k=kk, w=w, u=u, gc=gc, se=se, h0=h0 if h0 is not None else gc, h=h,
+           vn=vn, ht=ht if want_ht else gc, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None,
+           STORE_HT=want_ht, INTERPRET=INTERPRET, **_cfg(tab, cname))
     return h, vn, ht
 
 
-def _wu(kk, v, beta, gc, A, cu, table, H, HV, K, V, P, device, dt, ws: bool):
+def _wu(tab, kk, v, beta, gc, A, se, table, H, HV, K, V, P, device, dt, ws: bool):
     T = kk.shape[0] * kk.shape[1]
     w = _ws("w", (T, HV, K), dt, device) if ws else torch.empty(T, HV, K, dtype=dt, device=device)
     u = _ws("u", (T, HV, V), dt, device)
-    kn.fwd_wu_kernel[(P, HV)](kk, v, beta, gc, A, cu, table, w, u, H, HV, K=K, V=V, BT=BT,
-                              INTERPRET=build.INTERPRET, **_cfg("wu"))
+    launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=beta, gc=gc, A=A, se=se, table=table, w=w, u=u, H=H, HV=HV,
+           K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
     return w, u
 
 
-def _l2norm(q: torch.Tensor, k: torch.Tensor) -> tuple:
+def _l2norm(tab, q: torch.Tensor, k: torch.Tensor) -> tuple:
     """q, k L2-normalised per row of K, in one launch."""
     K = q.shape[-1]
     qn, kn_ = torch.empty_like(q), torch.empty_like(k)
     R = q.numel() // K
-    BR = _rows("l2norm")
-    kn.l2norm_fwd_kernel[((R + BR - 1) // BR, 2)](q, qn, k, kn_, R, K=K, BR=BR, INTERPRET=build.INTERPRET,
-                                                  **_cfg("l2norm"))
+    BR = tab["l2norm"]["BR"]
+    launch(kn.l2norm_fwd_kernel, ((R + BR - 1) // BR, 2), x=q, y=qn, x2=k, y2=kn_, R=R, K=K, BR=BR,
+           INTERPRET=INTERPRET, **_cfg(tab, "l2norm"))
     return qn, kn_
 
 
-@build.on_input_device
-def gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state):
+def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
+                output_final_state: bool, use_l2: bool, keep_state: bool, variant: str = "det"
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, ht, then what the backward needs: qn, kk, gc, A, w, h, vn, se, table). Both variants run these kernels.
+    Operands already checked."""
+    tab = configs.CONFIGS[arch_of(q, "q")]
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device, dt = q.device, q.dtype
     Tt = B * T
-    q, k, v = _c(q), _c(k), _c(v)
+    q, k, v = _c(q, "q"), _c(k, "k"), _c(v, "v")
     # the L2 norm first: the GPU runs it while the host prepares the chunk table and the next launches (launched
     # after the table, it waited on that host work: a 0.09 ms gap in a synced call's timeline)
     if use_l2:
-        qn, kk = _l2norm(q, k)
+        qn, kk = _l2norm(tab, q, k)
     else:
         qn, kk = q, k
     if cu_seqlens is None:
@@ -247,112 +223,104 @@ def gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final
         cu = torch.arange(B + 1, dtype=torch.int32, device=device) * T
     else:
         N = cu_seqlens.numel() - 1
-        cu = _c(cu_seqlens)  # int32 or int64: only the table kernel reads it
+        cu = _c(cu_seqlens, "cu_seqlens")  # int32 or int64: only the table kernel reads it
     P = build.cdiv(Tt, BT) + N
-    table, cu = _chunk_table(cu, N, P, Tt)  # from here on `cu` is the clamped [N, 2] (bos, eos)
-    gf = _c(g.to(torch.float32))
-    bf = _c(beta.to(torch.float32))
-    h0 = _c(initial_state.to(torch.float32)) if initial_state is not None else None
+    table, se = varlen.chunk_table(cu, N, P, Tt, BT)
+    gf = _c(g.to(torch.float32), "g")
+    bf = _c(beta.to(torch.float32), "beta")
+    h0 = _c(initial_state.to(torch.float32), "initial_state") if initial_state is not None else None
     gc = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     A = torch.empty(Tt, HV, BT, dtype=dt, device=device)
-    kn.fwd_prep_kernel[(P, HV)](kk, gf, bf, cu, table, gc, A, H, HV, K=K, BT=BT, INTERPRET=build.INTERPRET,
-                                **_cfg("prep"))
-    w, u = _wu(kk, v, bf, gc, A, cu, table, H, HV, K, V, P, device, dt, ws=not keep_state)
-    h, vn, ht = _fwd_state(kk, w, u, gc, cu, h0, N, HV, H, K, V, P, output_final_state, device, dt,
+    launch(kn.fwd_prep_kernel, (P, HV), k=kk, g=gf, beta=bf, se=se, table=table, gc=gc, A=A, H=H, HV=HV, K=K, BT=BT,
+           INTERPRET=INTERPRET, **_cfg(tab, "prep"))
+    w, u = _wu(tab, kk, v, bf, gc, A, se, table, H, HV, K, V, P, device, dt, ws=not keep_state)
+    h, vn, ht = _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, output_final_state, device, dt,
                            ws_prefix=None if keep_state else "f_")
     o = torch.empty(B, T, HV, V, dtype=dt, device=device)
-    kn.fwd_o_kernel[(P, HV)](qn, kk, vn, gc, h, cu, table, o, float(scale), H, HV, K=K, V=V, BT=BT,
-                             INTERPRET=build.INTERPRET, **_cfg("o"))
+    launch(kn.fwd_o_kernel, (P, HV), q=qn, k=kk, vn=vn, gc=gc, h=h, se=se, table=table, o=o, scale=float(scale),
+           H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "o"))
     if not keep_state:
         w, h, vn = _empty0(device, dt), _empty0(device, dt), _empty0(device, dt)
     if not use_l2:
         qn, kk = _empty0(device, dt), _empty0(device, dt)
-    return o, ht, qn, kk, gc, A, w, h, vn, cu, table
+    return o, ht, qn, kk, gc, A, w, h, vn, se, table
 
 
-@build.on_input_device
-def gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale, use_l2,
-                 keep_state):
+def gdn_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                 qn: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 initial_state: Optional[torch.Tensor], gc: torch.Tensor, A: torch.Tensor, w: torch.Tensor,
+                 h: torch.Tensor, vn: torch.Tensor, se: torch.Tensor, table: torch.Tensor, scale: float,
+                 use_l2: bool, keep_state: bool, output_final_state: bool = True, variant: str = "det"
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta, dh0; dh0 empty without an initial state). `do` / `dht` None: no gradient reached o /
+    the final state."""
+    tab = configs.CONFIGS[arch_of(q, "q")]
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device, dt = q.device, q.dtype
     Tt = B * T
-    N = cu.shape[0]
+    N = se.shape[0]
     P = table.shape[0]
-    q, k, v = _c(q), _c(k), _c(v)
+    q, k, v = _c(q, "q"), _c(k, "k"), _c(v, "v")
     if not use_l2:
         qn, kk = q, k
-    bf = _c(beta.to(torch.float32))
-    do = _c(do.to(dt))
+    bf = _c(beta.to(torch.float32), "beta")
+    if do is None:
+        do = torch.zeros(B, T, HV, V, dtype=dt, device=device)
+    do = _c(do.to(dt), "do")
+    if not output_final_state:
+        dht = None
     if not keep_state:
-        h0 = _c(initial_state.to(torch.float32)) if initial_state is not None else None
-        w, _u = _wu(kk, v, bf, gc, A, cu, table, H, HV, K, V, P, device, dt, ws=True)
-        h, vn, _ = _fwd_state(kk, w, _u, gc, cu, h0, N, HV, H, K, V, P, False, device, dt, ws_prefix="b_")
+        h0 = _c(initial_state.to(torch.float32), "initial_state") if initial_state is not None else None
+        w, _u = _wu(tab, kk, v, bf, gc, A, se, table, H, HV, K, V, P, device, dt, ws=True)
+        h, vn, _ = _fwd_state(tab, kk, w, _u, gc, se, h0, N, HV, H, K, V, P, False, device, dt, ws_prefix="b_")
     grid = (P, HV)
-    fuse = _fuse_dvl()
-    if fuse:
-        dvl = gc  # unused by the fused state backward
-    else:
-        dvl = _ws("dvl", (Tt, HV, V), dt, device)
-        kn.bwd_dvl_kernel[grid](qn, kk, do, gc, cu, table, dvl, float(scale), H, HV, K=K, V=V, BT=BT,
-                                INTERPRET=build.INTERPRET, **_cfg("dvl"))
+    dvl = _ws("dvl", (Tt, HV, V), dt, device)
+    launch(kn.bwd_dvl_kernel, grid, q=qn, k=kk, do=do, gc=gc, se=se, table=table, dvl=dvl, scale=float(scale), H=H,
+           HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
     dhe = _ws("dhe", (P, HV, K, V), dt, device)
     dd = _ws("dd", (Tt, HV, V), dt, device)
     want_dh0 = initial_state is not None
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_dh0 else None
-    dhtf = _c(dht.to(torch.float32)) if dht is not None else None
-    cname, BV = _state_cfg("dh", V, N * HV)
-    kn.bwd_dh_kernel[(N * HV, V // BV)](
-        qn, kk, w, do, dvl, gc, cu, dhtf if dhtf is not None else gc, dh0 if want_dh0 else gc, dhe, dd,
-        float(scale), H, HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhtf is not None, STORE_DH0=want_dh0, FUSE_DVL=fuse,
-        INTERPRET=build.INTERPRET, **_cfg(cname))
-    pdt = _pdt(dt)
+    dhtf = _c(dht.to(torch.float32), "dht") if dht is not None else None
+    cname, BV = _state_cfg(tab, "dh", V, N * HV)
+    launch(kn.bwd_dh_kernel, (N * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se,
+           dht=dhtf if dhtf is not None else gc, dh0=dh0 if want_dh0 else gc, dhe=dhe, dd=dd, scale=float(scale),
+           H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhtf is not None, STORE_DH0=want_dh0, INTERPRET=INTERPRET,
+           **_cfg(tab, cname))
+    pdt = _pdt(tab, dt)
     dqv = _ws("dqv", (Tt, HV, K), pdt, device)
-    kdt = _kdt(dt)  # dk of dqkw, read back by the WY backward
+    kdt = _kdt(tab, dt)  # dk of dqkw, read back by the WY backward
     dkv = _ws("dkv", (Tt, HV, K), kdt, device)
     dw = _ws("dw", (Tt, HV, K), dt, device)
-    launches, NP = _dqkw_launches(K)  # NP: partial dG sums per row
+    launches, NP = _dqkw_launches(tab, K)  # NP: partial dG sums per row
     dgp = _ws("dgp", (Tt, HV, NP), torch.float32, device)
     for phase, BK, slot0 in launches:
-        kn.bwd_dqkw_kernel[(P * (K // BK), HV)](
-            qn, kk, vn, do, dd, gc, h, dhe, cu, table, dqv, dkv, dw, dgp, float(scale), H, HV, K=K, V=V, BT=BT,
-            BK=BK, PHASE=phase, NPART=NP, SLOT0=slot0, INTERPRET=build.INTERPRET, **_dqkw_cfg(phase))
+        launch(kn.bwd_dqkw_kernel, (P * (K // BK), HV), q=qn, k=kk, vn=vn, do=do, dd=dd, gc=gc, h=h, dhe=dhe, se=se,
+               table=table, dq=dqv, dk=dkv, dw=dw, dgp=dgp, scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
+               PHASE=phase, NPART=NP, SLOT0=slot0, INTERPRET=INTERPRET, **_dqkw_cfg(tab, phase))
     dkf = dkv if pdt == kdt else _ws("dkf", (Tt, HV, K), pdt, device)
     dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=device)
     dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     dgf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
-    kn.bwd_wy_kernel[grid](kk, v, bf, gc, A, dw, dd, cu, table, dkv, dkf, dgp, dv, dbf, dgf, H, HV, K=K, V=V, BT=BT,
-                           NK=NP, INTERPRET=build.INTERPRET, **_cfg("wy"))
+    launch(kn.bwd_wy_kernel, grid, k=kk, v=v, beta=bf, gc=gc, A=A, dw=dw, dd=dd, se=se, table=table, dk=dkv, dko=dkf,
+           dgp=dgp, dv=dv, dbeta=dbf, dg=dgf, H=H, HV=HV, K=K, V=V, BT=BT, NK=NP, INTERPRET=INTERPRET,
+           **_cfg(tab, "wy"))
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    BR = _rows("final")
+    BR = tab["final"]["BR"]
     fgrid = (build.cdiv(Tt, BR), H)
-    kn.bwd_final_kernel[fgrid](q, dqv, dq, Tt, H, HV, K=K, BR=BR, L2=use_l2, INTERPRET=build.INTERPRET,
-                               **_cfg("final"))
-    kn.bwd_final_kernel[fgrid](k, dkf, dk, Tt, H, HV, K=K, BR=BR, L2=use_l2, INTERPRET=build.INTERPRET,
-                               **_cfg("final"))
+    for x, dxv, dx in ((q, dqv, dq), (k, dkf, dk)):
+        launch(kn.bwd_final_kernel, fgrid, x=x, dxv=dxv, dx=dx, R=Tt, H=H, HV=HV, K=K, BR=BR, L2=use_l2,
+               INTERPRET=INTERPRET, **_cfg(tab, "final"))
     dg = dgf.view(B, T, HV).to(g.dtype)
     db = dbf.view(B, T, HV).to(beta.dtype)
-    if dh0 is not None:
-        dh0 = dh0.to(initial_state.dtype)
-    else:
-        dh0 = _empty0(device)
+    dh0 = dh0.to(initial_state.dtype) if dh0 is not None else _empty0(device)
     return dq, dk, dv, dg, db, dh0
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# torch.library custom ops (torch.compile(fullgraph=True) traces them through their fake implementations)
-@torch.library.custom_op("miles_ext_kernels::gdn_fwd", mutates_args=())
-def _gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
-                output_final_state: bool, use_l2: bool, keep_state: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gdn_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state)
-
-
-@_gdn_fwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state):
+def _forward_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state,
+                  variant="det"):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -369,24 +337,13 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, us
     w = e((Tt, HV, K)) if keep_state else e((0,))
     h = e((P, HV, K, V)) if keep_state else e((0,))
     vn = e((Tt, HV, V)) if keep_state else e((0,))
-    cu = e((N, 2), dtype=torch.int32)
+    se = e((N, 2), dtype=torch.int32)
     table = e((P, 2), dtype=torch.int32)
-    return o, ht, qn, kk, gc, A, w, h, vn, cu, table
+    return o, ht, qn, kk, gc, A, w, h, vn, se, table
 
 
-@torch.library.custom_op("miles_ext_kernels::gdn_bwd", mutates_args=())
-def _gdn_bwd_op(do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-                qn: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                initial_state: Optional[torch.Tensor], gc: torch.Tensor, A: torch.Tensor, w: torch.Tensor,
-                h: torch.Tensor, vn: torch.Tensor, cu: torch.Tensor, table: torch.Tensor, scale: float, use_l2: bool,
-                keep_state: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor]:
-    return gdn_backward(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale, use_l2,
-                        keep_state)
-
-
-@_gdn_bwd_op.register_fake
-def _(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table, scale, use_l2, keep_state):
+def _backward_fake(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, se, table, scale, use_l2,
+                   keep_state, output_final_state=True, variant="det"):
     # contiguous like the real op's outputs (empty_like would copy a permuted input's strides)
     dh0 = (initial_state.new_empty(initial_state.shape) if initial_state is not None
            else q.new_empty((0,), dtype=torch.float32))
@@ -394,104 +351,56 @@ def _(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, tab
             beta.new_empty(beta.shape), dh0)
 
 
-class _GatedDeltaRule(torch.autograd.Function):
-    """The autograd node of both paths: under torch.compile the custom ops (traced through their fakes); in eager mode
-    the same launchers called directly (the custom-op dispatch costs host time)."""
+def _setup(inputs, res):
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state, variant = inputs
+    o, ht, qn, kk, gc, A, w, h, vn, se, table = res
+    return ((q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, se, table),
+            (scale, use_l2, keep_state, output_final_state, variant))
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state,
-                variant, via_custom_ops):
-        fwd = torch.ops.miles_ext_kernels.gdn_fwd if via_custom_ops else gdn_forward
-        o, ht, qn, kk, gc, A, w, h, vn, cu, table = fwd(
-            q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state)
-        ctx.save_for_backward(q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table)
-        ctx.scale, ctx.use_l2, ctx.keep_state, ctx.variant = scale, use_l2, keep_state, variant
-        ctx.output_final_state, ctx.via_custom_ops = output_final_state, via_custom_ops
-        return o, ht
 
-    @staticmethod
-    @once_differentiable  # a second derivative raises instead of silently carrying no history
-    def backward(ctx, do, dht):
-        q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table = ctx.saved_tensors
-        if not ctx.output_final_state:
-            dht = None
-        if do is None:
-            do = torch.zeros(q.shape[0], q.shape[1], v.shape[2], v.shape[3], dtype=q.dtype, device=q.device)
-        bwd = torch.ops.miles_ext_kernels.gdn_bwd if ctx.via_custom_ops else gdn_backward
-        dq, dk, dv, dg, db, dh0 = bwd(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, cu, table,
-                                      ctx.scale, ctx.use_l2, ctx.keep_state)
-        dh0 = dh0 if initial_state is not None else None
-        return dq, dk, dv, dg, db, dh0, None, None, None, None, None, None, None
+GDN = KernelOp(OP, forward=gdn_forward, forward_fake=_forward_fake, setup=_setup, backward=gdn_backward,
+               backward_fake=_backward_fake, grad_inputs=(0, 1, 2, 3, 4, 5), n_outputs=2)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None):
     _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    variant = config.variant(OP)
     if cu_seqlens is not None and config.option(OP, "check_seqlens"):
         checks.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[1], must_end_at_total=True)
     keep_state = not config.option(OP, "recompute_state")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    o, ht = _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                                  use_qk_l2norm_in_kernel, keep_state, variant, torch.compiler.is_compiling())
+    o, ht = GDN(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel,
+                keep_state)
     return o, (ht if output_final_state else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 def routes(head_k_dim: int = 128, head_v_dim: int = 128):
-    """Every kernel specialization a call with these head dims can launch (bf16 q/k/v; g, beta cast to fp32)."""
+    """Every kernel specialization a call with these head dims can launch: the launchers above run on meta tensors
+    over every flag (L2 norm, initial / final state, kept / recomputed states, wide / narrow state tiles, int32 /
+    int64 / no cu_seqlens) and record their launches."""
     K, V = head_k_dim, head_v_dim
     if K not in HEAD_DIMS or V not in HEAD_DIMS:
         raise ValueError(f"head dims must be in {HEAD_DIMS}, got head_k_dim={K}, head_v_dim={V}")
-    bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
-    I = build.INTERPRET  # noqa: E741
-    fuse = _fuse_dvl()
-    R = build.Route
-    out = [R(kn.chunk_table_kernel, (cu_t, i32, i32, 1, 1, 1, 1), (1,), dict(BT=BT, BP=_TABLE_BP, num_warps=4),
-             f"chunk_table[{str(cu_t)[6:]}]") for cu_t in (i32, torch.int64)]
-    for X, name in ((K, "k"),):
-        out.append(R(kn.l2norm_fwd_kernel, (bf, bf, bf, bf, 1), (1,),
-                     dict(K=X, BR=_rows("l2norm"), INTERPRET=I, **_cfg("l2norm")), f"l2norm_fwd[{name}]"))
-    out.append(R(kn.fwd_prep_kernel, (bf, f32, f32, i32, i32, f32, bf, 1, 1), (1, 1),
-                 dict(K=K, BT=BT, INTERPRET=I, **_cfg("prep")), "fwd_prep"))
-    out.append(R(kn.fwd_wu_kernel, (bf, bf, f32, f32, bf, i32, i32, bf, bf, 1, 1), (1, 1),
-                 dict(K=K, V=V, BT=BT, INTERPRET=I, **_cfg("wu")), "fwd_wu"))
-    for cname in ("h", "h_narrow"):
-        for use_h0 in (False, True):
-            for store_ht in (False, True):
-                out.append(R(kn.fwd_h_kernel, (bf, bf, bf, f32, i32, f32, bf, bf, f32, 1, 1), (1, 1),
-                             dict(K=K, V=V, BT=BT, BV=_bv(cname, V), USE_H0=use_h0, STORE_HT=store_ht, INTERPRET=I,
-                                  **_cfg(cname)),
-                             f"fwd_h[h0={int(use_h0)},ht={int(store_ht)}{',narrow' * (cname != 'h')}]"))
-    out.append(R(kn.fwd_o_kernel, (bf, bf, bf, f32, bf, i32, i32, bf, 1.0, 1, 1), (1, 1),
-                 dict(K=K, V=V, BT=BT, INTERPRET=I, **_cfg("o")), "fwd_o"))
-    if not fuse:
-        out.append(R(kn.bwd_dvl_kernel, (bf, bf, bf, f32, i32, i32, bf, 1.0, 1, 1), (1, 1),
-                     dict(K=K, V=V, BT=BT, INTERPRET=I, **_cfg("dvl")), "bwd_dvl"))
-    dvl_t = f32 if fuse else bf
-    for cname in ("dh", "dh_narrow"):
-        for use_dht in (False, True):
-            for dh0 in (False, True):
-                out.append(R(kn.bwd_dh_kernel, (bf, bf, bf, bf, dvl_t, f32, i32, f32, f32, bf, bf, 1.0, 1, 1),
-                             (1, 1),
-                             dict(K=K, V=V, BT=BT, BV=_bv(cname, V), USE_DHT=use_dht, STORE_DH0=dh0, FUSE_DVL=fuse,
-                                  INTERPRET=I, **_cfg(cname)),
-                             f"bwd_dh[dht={int(use_dht)},dh0={int(dh0)}{',narrow' * (cname != 'dh')}]"))
-    launches, NP = _dqkw_launches(K)
-    pdt = _pdt(bf)
-    kdt = _kdt(bf)
-    for phase, BK, slot0 in launches:
-        out.append(R(kn.bwd_dqkw_kernel,
-                     (bf, bf, bf, bf, bf, f32, bf, bf, i32, i32, pdt, kdt, bf, f32, 1.0, 1, 1), (1, 1),
-                     dict(K=K, V=V, BT=BT, BK=BK, PHASE=phase, NPART=NP, SLOT0=slot0, INTERPRET=I,
-                          **_dqkw_cfg(phase)),
-                     f"bwd_dqkw[phase={phase}]"))
-    out.append(R(kn.bwd_wy_kernel, (bf, bf, f32, f32, bf, bf, bf, i32, i32, kdt, pdt, f32, bf, f32, f32, 1, 1),
-                 (1, 1),
-                 dict(K=K, V=V, BT=BT, NK=NP, INTERPRET=I, **_cfg("wy")),
-                 "bwd_wy"))
-    for l2 in (False, True):
-        out.append(R(kn.bwd_final_kernel, (bf, pdt, bf, 1, 1, 1), (1, 1),
-                     dict(K=K, BR=_rows("final"), L2=l2, INTERPRET=I, **_cfg("final")),
-                     f"bwd_final[l2={int(l2)}]"))
-    return out
+    arch = build.INTERPRETER_ARCH if INTERPRET else build.device_arch()
+    H, HV = 2, 4
+    meta = dict(device="meta")
+    with collect_routes(arch) as rs:
+        for n_seq in (1, configs.NARROW_BELOW):  # narrow and wide state tiles
+            T = BT * n_seq
+            for cu_dtype in (None, torch.int32, torch.int64):
+                cu = None if cu_dtype is None else torch.empty(n_seq + 1, dtype=cu_dtype, **meta)
+                B = n_seq if cu is None else 1
+                Tb = T // B
+                q = torch.empty(B, Tb, H, K, dtype=torch.bfloat16, **meta)
+                v = torch.empty(B, Tb, HV, V, dtype=torch.bfloat16, **meta)
+                g = torch.empty(B, Tb, HV, **meta)
+                h0 = torch.empty(n_seq, HV, K, V, **meta)
+                for use_l2 in (False, True):
+                    for init in (None, h0):
+                        for final in (False, True):
+                            for keep in (False, True):
+                                res = gdn_forward(q, q, v, g, g, init, cu, 1.0, final, use_l2, keep)
+                                gdn_backward(v, h0 if final else None, q, q, *res[2:4], v, g, g, init, *res[4:], 1.0,
+                                             use_l2, keep, final, "det")
+    return rs.routes

@@ -38,48 +38,6 @@ _RUNTIME = ["sm_scale", "T_q", "T_k", "n_seg", "n_iter", "H_q", "H_kv", "group"]
 
 
 @triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _safe_bounds(CU, SAFE, idx, valid, has_next, carry, T):
-    """SAFE[idx] for one block of boundaries: cu_seqlens made a non-decreasing sequence in [0, T] that starts at 0
-    (a running maximum, clamped to T). Also the next boundary of each entry, and the new carry (the running max)."""
-    x = tl.minimum(tl.load(CU + idx, mask=valid, other=0), T)
-    x = tl.where(idx == 0, 0, x)
-    run = tl.maximum(tl.associative_scan(x, 0, _max_combine), carry)
-    tl.store(SAFE + idx, run.to(tl.int32), mask=valid)
-    nxt = tl.minimum(tl.load(CU + idx + 1, mask=has_next, other=0), T)
-    return run, tl.maximum(run, nxt), tl.max(tl.where(valid, run, carry), 0)
-
-
-@triton.jit(do_not_specialize=["n_seg", "tile", "T_a", "T_b"])
-def _tile_prefix_kernel(CU_A, CU_B, SAFE_A, SAFE_B, TS, n_seg, tile, T_a, T_b, BLOCK: tl.constexpr):
-    """SAFE_A, SAFE_B: cu_seqlens_a / _b (int32 or int64) as every later kernel reads them, made non-decreasing in
-    [0, T] from 0 (`_safe_bounds`): for any content of cu_seqlens the segments tile [0, SAFE[n_seg]) without gaps or
-    overlaps and the padding programs cover the rest, so no kernel reads or writes outside its tensors and every
-    output row is written (a malformed cu_seqlens gives garbage in the outputs, never a bad access). Valid
-    boundaries pass unchanged. TS[s] = number of `tile`-row tiles of the segments of A before s (n_seg + 1
-    entries); one program."""
-    tl.store(TS, 0)
-    zero = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
-    carry = zero
-    run_a = zero.to(CU_A.dtype.element_ty)
-    run_b = zero.to(CU_B.dtype.element_ty)
-    for c in range(0, n_seg + 1, BLOCK):
-        idx = c + tl.arange(0, BLOCK)
-        valid = idx <= n_seg
-        seg = idx < n_seg
-        lo, hi, run_a = _safe_bounds(CU_A, SAFE_A, idx, valid, seg, run_a, T_a)
-        _l, _h, run_b = _safe_bounds(CU_B, SAFE_B, idx, valid, seg, run_b, T_b)
-        cnt = tl.where(seg, ((hi - lo) + tile - 1) // tile, 0).to(tl.int32)
-        cs = tl.cumsum(cnt, 0) + carry
-        tl.store(TS + idx + 1, cs, mask=seg)
-        carry += tl.sum(cnt, 0)
-
-
-@triton.jit
 def _find_tile(TS, CU_A, CU_B, t, n_seg, n_iter, REVERSE: tl.constexpr):
     """Segment s with TS[s] <= t < TS[s+1]; the tile's index within it (REVERSE: last tile first, which is the
     heaviest causal query tile), and the segment's start and length in CU_A and CU_B."""

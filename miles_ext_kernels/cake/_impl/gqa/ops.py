@@ -13,7 +13,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..._runtime import checks, config, workspace
+from ..._runtime import checks, config, varlen, workspace
 from ..._runtime.build import INTERPRET, INTERPRETER_ARCH, cdiv, check_device, device_guard
 from ...gqa import HEAD_DIM  # the declaration owns the served head dim
 from . import kernels as K
@@ -56,7 +56,6 @@ CONFIGS = {
         # tiles of the last segments no longer start last); the order of programs only, never the bits
         "dkdv_gluon": dict(BM=64, BN=64, num_warps=4, maxnreg=168, ROUND="auto"),
         "delta": dict(BR=32, num_warps=4, num_stages=1),
-        "prefix": dict(BLOCK=1024, num_warps=4, num_stages=1),
         "cast": dict(BLOCK=4096, num_warps=4, num_stages=1),
     },
     # the interpreter (CPU tests): small blocks so tiny shapes still cross tile and mask boundaries
@@ -65,7 +64,6 @@ CONFIGS = {
         "dq": dict(BM=16, BN=16, num_warps=4, num_stages=1),
         "dkdv": dict(BM=16, BN=16, num_warps=4, num_stages=1, S_ROWS=True, PAIR=True),
         "delta": dict(BR=16, num_warps=4, num_stages=1),
-        "prefix": dict(BLOCK=64, num_warps=4, num_stages=1),
         "cast": dict(BLOCK=1024, num_warps=4, num_stages=1),
     },
 }
@@ -202,22 +200,10 @@ def _cu_ready(cu: torch.Tensor) -> torch.Tensor:
     return cu.clone() if cu.data_ptr() % 16 else cu
 
 
-def _bounds_buffer(n: int) -> int:
-    """int32 entries of one boundary or tile-prefix array of n entries, padded so the next starts 16-byte aligned."""
-    return cdiv(n, 4) * 4
-
-
-def _prefix(cu_a, cu_b, T_a: int, T_b: int, buf: torch.Tensor, tile: int, cfg) -> tuple:
-    """One launch: the safe boundaries of both sides (cu_seqlens clamped so that no content makes a kernel leave its
-    tensors; valid boundaries unchanged) and the tile prefix of side a. `buf`: int32, 3 * _bounds_buffer(n) entries.
-    Returns (safe_a, safe_b, ts)."""
-    n = cu_a.shape[0]
-    m = _bounds_buffer(n)
-    safe_a, safe_b, ts = buf[:n], buf[m:m + n], buf[2 * m:2 * m + n]
-    c = cfg["prefix"]
-    K._tile_prefix_kernel[(1,)](cu_a, cu_b, safe_a, safe_b, ts, n - 1, tile, T_a, T_b, BLOCK=c["BLOCK"],
-                                num_warps=c["num_warps"], num_stages=c["num_stages"])
-    return safe_a, safe_b, ts
+def _prefix(cu_a, cu_b, T_a: int, T_b: int, buf: torch.Tensor, tile: int) -> tuple:
+    """(safe_a, safe_b, ts): both sides' boundaries clamped (no content makes a kernel leave its tensors; valid
+    boundaries unchanged) and the tile prefix of side a, in one launch (`_runtime.varlen.tile_prefix`)."""
+    return varlen.tile_prefix(cu_a, cu_b, T_a, T_b, buf, tile, INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -236,8 +222,8 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     upper = cdiv(T_q, c["BM"]) + B
     if upper * H_q == 0:
         return out, lse
-    buf = torch.empty(3 * _bounds_buffer(B + 1), dtype=torch.int32, device=q.device)
-    cu_q, cu_k, ts = _prefix(cu_q, cu_k, T_q, k.shape[0], buf, c["BM"], cfg)
+    buf = torch.empty(3 * varlen.bounds_buffer(B + 1), dtype=torch.int32, device=q.device)
+    cu_q, cu_k, ts = _prefix(cu_q, cu_k, T_q, k.shape[0], buf, c["BM"])
     sqt, sqh = _strides(q)
     skt, skh = _strides(k)
     svt, svh = _strides(v)
@@ -287,7 +273,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     # [boundaries + tile prefix, k pass]
     n_acc = _align(T_q * H_q * D * 4) if fused else 0
     n_delta = _align(H_q * T_q * 4)
-    n_ts = _align(3 * _bounds_buffer(B + 1) * 4)
+    n_ts = _align(3 * varlen.bounds_buffer(B + 1) * 4)
     scratch = workspace.take(SCRATCH_ROLE, n_acc + n_delta + 2 * n_ts, device=q.device)
     dqa = scratch[:n_acc].view(torch.float32) if fused else scratch[:16].view(torch.float32)
     delta = scratch[n_acc:n_acc + n_delta].view(torch.float32)
@@ -303,7 +289,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     if not fused:
         # dQ first: its kernel also writes delta = rowsum(dO * O), which the dK/dV kernel reads
         if upper_q * H_q > 0 and "dq" in parts:
-            cu_q, cu_k, ts_q = _prefix(cu_q_raw, cu_k_raw, T_q, T_k, buf_q, cq["BM"], cfg)
+            cu_q, cu_k, ts_q = _prefix(cu_q_raw, cu_k_raw, T_q, T_k, buf_q, cq["BM"])
             cgq = cfg.get("dq_gluon")
             if cgq is not None and GB is not None and not INTERPRET and _gluon_bwd_fits(q, k, v, do):
                 assert cgq["BM"] == cq["BM"]  # the tile prefix above counts tiles of BM rows
@@ -337,7 +323,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     if fused:
         dqa.zero_()
     if upper_k * H_kv > 0 and "dkdv" in parts:
-        cu_k, cu_q, ts_k = _prefix(cu_k_raw, cu_q_raw, T_k, T_q, buf_k, tile_k, cfg)
+        cu_k, cu_q, ts_k = _prefix(cu_k_raw, cu_q_raw, T_k, T_q, buf_k, tile_k)
         if gluon:
             GB.dkdv_kernel[(upper_k * H_kv,)](
                 _gluon_desc(q, cg["BM"]), _gluon_desc(k, cg["BN"]), _gluon_desc(v, cg["BN"]), _gluon_desc(do, cg["BM"]),
@@ -381,9 +367,9 @@ def routes(**model_params):
 
     # (the dK/dV kernel's S_ROWS flag is part of the fixed config)
 
-    c = cfg["prefix"]
-    out = [Route(K._tile_prefix_kernel, (cu_t, cu_t, i32, i32, i32, n, 64, n, n), (1,),
-                 {"BLOCK": c["BLOCK"], **launch(c)}, f"tile_prefix[{str(cu_t)[6:]}]") for cu_t in (i32, torch.int64)]
+    out = [Route(varlen.tile_prefix_kernel, (cu_t, cu_t, i32, i32, i32, n, 64, n, n), (1,),
+                 {"BLOCK": varlen.TILE_PREFIX_BLOCK["gpu"], "num_warps": 4, "num_stages": 1},
+                 f"tile_prefix[{str(cu_t)[6:]}]") for cu_t in (i32, torch.int64)]
     c = cfg["fwd"]
     out.append(Route(K._fwd_kernel, (bf, bf, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n) + (st, sh) * 4,
                      (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "DIAG_ONLY": c.get("DIAG_ONLY", False),
