@@ -62,7 +62,7 @@ def test_gqa_custom_op():
 
     q, k, v = _leaf(5, 2, 256), _leaf(5, 1, 256, seed=1), _leaf(5, 1, 256, seed=2)
     cu = torch.tensor([0, 5], dtype=torch.int32)
-    out, _ = ops.gqa_fwd(q, k, v, cu, cu, 0.0625, "det", 5)  # the custom op miles_ext_kernels::gqa_fwd
+    out, _ = ops.GQA.forward_op(q, k, v, cu, cu, 0.0625, 5, "det")  # the custom op miles_ext_kernels::gqa_fwd
     grads = torch.autograd.grad(out.float().square().sum(), (q, k, v), create_graph=True)
     penalty = sum(g.float().sum() for g in grads) + sum(x.float().square().sum() for x in (q, k, v))
     with pytest.raises(RuntimeError, match="no autograd formula"):  # the backward custom op has none

@@ -136,11 +136,11 @@ def test_offsets_past_int32_are_copied_first():
         return torch.empty_strided((4, H, D), strides, dtype=BF, device="meta")
 
     head_major = view((D, 2 ** 30, 1))  # a [H, T, D] buffer at 2^22 tokens, viewed as [T, H, D]
-    assert ops._ready(head_major).stride() == (3 * D, D, 1)
+    assert ops._ready(head_major, "q").stride() == (3 * D, D, 1)
     wide_rows = view((2 ** 24, D, 1))  # 128 rows of a tile span 2^31 elements
-    assert ops._ready(wide_rows).stride() == (3 * D, D, 1)
+    assert ops._ready(wide_rows, "q").stride() == (3 * D, D, 1)
     for fine in (view((D, 2 ** 29, 1)), view((2 ** 23, D, 1)), view((D, 2 ** 30, 1), H=1)):
-        assert ops._ready(fine) is fine  # read in place: every offset fits
+        assert ops._ready(fine, "q") is fine  # read in place: every offset fits
 
 
 def test_det_bits_repeat_and_max_seqlen_k():
@@ -179,18 +179,6 @@ def test_packing_invariance():
         else:
             for x, y in zip(ref, got):
                 assert torch.equal(x, y), (before, after)
-
-
-def test_fused_atomic_dq_path():
-    """The fast variant's fused dQ (fp32 atomics in the dK/dV kernel) where a config selects it."""
-    q, k, v, do, cq, ck = _inputs([26, 31], [26, 31], 4, 1, pad_q=4, seed=9)
-    out, lse = ops.gqa_forward(q, k, v, cq, ck, D ** -0.5)
-    dq, dk, dv = ops.gqa_backward(do, q, k, v, out, lse, cq, ck, D ** -0.5, "fast", fused=True)
-    dq0, dk0, dv0 = ops.gqa_backward(do, q, k, v, out, lse, cq, ck, D ** -0.5, "det")
-    assert torch.equal(dk, dk0) and torch.equal(dv, dv0)
-    ro, rl, rdq, rdk, rdv = reference.reference_grads(q, k, v, cq, ck, do)
-    check_budget("dq", dq, rdq, BUDGET)
-    assert torch.equal(dq[57:], torch.zeros_like(dq[57:]))
 
 
 def test_transposed_score_dkdv_path(monkeypatch):
@@ -271,6 +259,7 @@ def _bad_calls():
 
 def test_rejected_operands(monkeypatch):
     monkeypatch.setattr(ops, "gqa_forward", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(ops, "gqa_backward", lambda *a, **k: pytest.fail("launched"))
     ok, cases = _bad_calls()
     for change, err, match in cases:
         kw = dict(ok)
@@ -311,9 +300,9 @@ def test_paired_key_tiles_same_bits(monkeypatch):
     assert ops._use_pair(True, 1, 10, None, 1, 1, None, c) and not ops._use_pair(False, 4, 64, 16, 1, 1, None, c)
     # the schedule model at the sm_90a blocks on 132 SMs (H200): 16 x 2048 with 3 query heads over 1 pairs (measured
     # -7.5 % dK/dV), 16 over 2 and 24 over 4 do not (measured +1 % and +7 % paired)
-    assert ops._order_gain("pair", 16, 2048, 1, 3, 132, 64, 128) < ops.PAIR_GAIN
-    assert ops._order_gain("pair", 16, 2048, 2, 8, 132, 64, 128) > ops.PAIR_GAIN
-    assert ops._order_gain("pair", 16, 2048, 4, 6, 132, 64, 128) > ops.PAIR_GAIN
+    assert ops._order_gain("pair", 16, 2048, 1, 3, 132, 64, 128) < ops.configs.PAIR_GAIN
+    assert ops._order_gain("pair", 16, 2048, 2, 8, 132, 64, 128) > ops.configs.PAIR_GAIN
+    assert ops._order_gain("pair", 16, 2048, 4, 6, 132, 64, 128) > ops.configs.PAIR_GAIN
 
 
 def test_round_order_choice():
@@ -328,9 +317,9 @@ def test_round_order_choice():
     assert ops._use_round(True, 2, 100, 50, 1, 1, None, c) and not ops._use_round(False, 2, 100, 50, 1, 1, None, c)
     assert not ops._use_round("auto", 4, 100, 60, 2, 2, None, c)  # documents far from equal
     for h_kv, group in ((2, 8), (1, 8), (1, 3)):
-        assert ops._order_gain("round", 16, 2048, h_kv, group, 132, 64, 64) < ops.ROUND_GAIN
-    assert ops._order_gain("round", 16, 2048, 4, 6, 132, 64, 64) > ops.ROUND_GAIN
-    assert ops._order_gain("round", 4, 8192, 4, 8, 132, 64, 64) > ops.ROUND_GAIN
+        assert ops._order_gain("round", 16, 2048, h_kv, group, 132, 64, 64) < ops.configs.ROUND_GAIN
+    assert ops._order_gain("round", 16, 2048, 4, 6, 132, 64, 64) > ops.configs.ROUND_GAIN
+    assert ops._order_gain("round", 4, 8192, 4, 8, 132, 64, 64) > ops.configs.ROUND_GAIN
 
 
 def test_gluon_forward_route_condition():
@@ -346,3 +335,34 @@ def test_gluon_forward_route_condition():
     assert not ops._gluon_fwd_fits(torch.zeros(0, 4, D), k, k)
     assert not ops._gluon_fwd_fits(q, torch.zeros(0, 2, D), torch.zeros(0, 2, D))
     assert ops._gluon_fwd_fits(torch.zeros(1, 4, D), k, k)  # one token: its token stride is not used
+
+
+def test_routes_are_the_launchers_launches():
+    """routes() runs the launchers on meta tensors (interpreter table here: the Triton kernels): the tile prefix for
+    int32 and int64 boundaries, the forward, the dQ pass, the dK/dV pass in both PAIR settings; all distinct."""
+    rs = ops.routes()
+    labels = [r.label for r in rs]
+    assert len(labels) == len(set(labels)) == 6, labels
+    assert sorted(lab.split("[")[0] for lab in labels) == sorted(
+        ["tile_prefix_kernel"] * 2 + ["_fwd_kernel", "_bwd_dq_kernel"] + ["_bwd_dkdv_kernel"] * 2)
+    with pytest.raises(TypeError, match="no model parameters"):
+        ops.routes(head_dim=256)
+
+
+def test_torch_compile_fullgraph_one_cu_seqlens_for_both():
+    """torch.compile(fullgraph=True) traces the op with one cu_seqlens tensor passed as both cu_seqlens_q and
+    cu_seqlens_k (the usual call), forward and backward, with the eager path's values."""
+    q, k, v, do, cq, _ = _inputs([9, 20], [9, 20], 2, 1, seed=3)
+
+    def f(q, k, v):
+        return decl.varlen_gqa_attention(q, k, v, cq, cq, max_seqlen_k=20)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    eager = f(*leaves)
+    ge = torch.autograd.grad(eager, leaves, do)
+    leaves2 = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves2)
+    gc = torch.autograd.grad(compiled, leaves2, do)
+    assert torch.equal(eager, compiled)
+    for a, b in zip(ge, gc):
+        assert torch.equal(a, b)

@@ -1,5 +1,5 @@
 """Implementation of packed causal GQA attention, head dim 256 (see `cake/gqa.py`)."""
-from ._demo import demo
+from .demo import demo
 from .ops import routes, varlen_gqa_attention
 
 __all__ = ["varlen_gqa_attention", "routes", "demo"]

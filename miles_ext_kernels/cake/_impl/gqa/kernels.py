@@ -15,8 +15,8 @@ Backward: `_bwd_dq_kernel` (per query tile and head, key blocks in order; also w
 kernel computes S = Q K^T with 128 query rows as M (both warpgroups busy; a 64-row M is replicated across them)
 and transposes bf16 P and dS for the dV / dK products. With PAIR a dK/dV program takes key tiles i and n-1-i of its
 segment (even work per program: the launcher picks it per call where a model of the schedule predicts a shorter
-tail); each tile is computed the same way, so the bits do not change. FUSE_DQ (fp32 atomics for dQ inside the dK/dV kernel) and
-`_bwd_delta_kernel` serve a fused-dQ fast variant that no arch config selects today (slower on sm_90a).
+tail); each tile is computed the same way, so the bits do not change. No kernel uses atomics (an atomic-dQ fast
+variant measured slower on sm_90a: bench/NOTES.md, gqa), so det and fast run the same kernels.
 
 Interpreter (CPU tests): bf16 arithmetic is wrong there, so under `INTERPRET` operands are upcast to fp32 after
 the bf16 rounding the GPU path does, and the dots run in fp32.
@@ -30,8 +30,8 @@ S^T path (S_ROWS=False, `_dkdv_block`) transposes only loaded tiles.
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from ..._runtime.constants import LN2, LOG2E
+
 
 # runtime ints and floats: never specialized, so the set of compiled routes is finite
 _RUNTIME = ["sm_scale", "T_q", "T_k", "n_seg", "n_iter", "H_q", "H_kv", "group"]
@@ -122,7 +122,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
         local, q0, L_q, k0, L_k = _find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)
         m0 = local * BM
         offset = L_k - L_q
-        qk_scale = sm_scale * 1.4426950408889634
+        qk_scale = sm_scale * LOG2E
         rvalid = (m0 + offs_m) < L_q
         q_ptrs = Q + (q0 + m0).to(tl.int64) * sqt + h * sqh + (offs_m[:, None] * sqt + offs_d[None, :])
         q = tl.load(q_ptrs, mask=rvalid[:, None], other=0.0)
@@ -145,28 +145,10 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         out = acc / l_safe[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
         o_ptrs = O + (q0 + m0).to(tl.int64) * sot + h * soh + (offs_m[:, None] * sot + offs_d[None, :])
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=rvalid[:, None])
         tl.store(LSE + h.to(tl.int64) * T_q + q0 + m0 + offs_m, lse, mask=rvalid)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# backward: delta = rowsum(dO * O)
-@triton.jit(do_not_specialize=_RUNTIME)
-def _bwd_delta_kernel(O, DO, DELTA, T_q, H_q, sot, soh, sdt, sdh,
-                      D: tl.constexpr, BR: tl.constexpr, INTERPRET: tl.constexpr):
-    pid = tl.program_id(0)
-    h = pid % H_q
-    r = pid // H_q
-    rows = r * BR + tl.arange(0, BR)
-    offs_d = tl.arange(0, D)
-    rmask = rows < T_q
-    rows64 = rows.to(tl.int64)
-    o = tl.load(O + rows64[:, None] * sot + h * soh + offs_d[None, :], mask=rmask[:, None], other=0.0)
-    do = tl.load(DO + rows64[:, None] * sdt + h * sdh + offs_d[None, :], mask=rmask[:, None], other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + h.to(tl.int64) * T_q + rows, delta, mask=rmask)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -223,7 +205,7 @@ def _bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, CU_Q, CU_K, TS,
         local, q0, L_q, k0, L_k = _find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)
         m0 = local * BM
         offset = L_k - L_q
-        qk_scale = sm_scale * 1.4426950408889634
+        qk_scale = sm_scale * LOG2E
         rvalid = (m0 + offs_m) < L_q
         row0 = (q0 + m0).to(tl.int64)
         q = tl.load(Q + row0 * sqt + h * sqh + (offs_m[:, None] * sqt + offs_d[None, :]),
@@ -234,7 +216,7 @@ def _bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, CU_Q, CU_K, TS,
             q = q.to(tl.float32)
             do = do.to(tl.float32)
         lse = tl.load(LSE + h.to(tl.int64) * T_q + q0 + m0 + offs_m, mask=rvalid, other=0.0)
-        lse2 = lse * 1.4426950408889634
+        lse2 = lse * LOG2E
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that see no key: P = 0
         o = tl.load(O + row0 * sot + h * soh + (offs_m[:, None] * sot + offs_d[None, :]), mask=rvalid[:, None],
                     other=0.0)
@@ -255,12 +237,10 @@ def _bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, CU_Q, CU_K, TS,
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# backward: dK, dV per (key tile, kv head), looping the group's query heads in a fixed order (no atomics);
-# with FUSE_DQ (fast variant) the same loop also adds dQ = dS K into an fp32 scratch with atomics.
+# backward: dK, dV per (key tile, kv head), looping the group's query heads in a fixed order (no atomics)
 @triton.jit
-def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, offs_n, offs_d, n0, offset, L_q,
-                T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
-                MASK: tl.constexpr, FUSE_DQ: tl.constexpr, INTERPRET: tl.constexpr):
+def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, q_row0, h, m, offs_m, offs_n, offs_d, n0, offset, L_q,
+                T_q, qk_scale, sqt, sqh, sdt, sdh, MASK: tl.constexpr, INTERPRET: tl.constexpr):
     rows = m + offs_m
     rel = (q_row0 + m).to(tl.int64)
     q_ptrs = Q + rel * sqt + h * sqh + (offs_m[:, None] * sqt + offs_d[None, :])
@@ -281,7 +261,7 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, offs
     if INTERPRET:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse2 = lse * 1.4426950408889634
+    lse2 = lse * LOG2E
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     sT = tl.dot(k, tl.trans(q)) * qk_scale  # [BN, BM]
     pT = tl.math.exp2(sT - lse2[None, :])
@@ -298,20 +278,12 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, offs
     if INTERPRET:
         dsc = dsc.to(tl.float32)
     dk = tl.dot(dsc, q, dk)
-    if FUSE_DQ:
-        dqp = tl.dot(tl.trans(dsc), k)  # [BM, D]
-        a_ptrs = DQA + rel * sat + h * sah + (offs_m[:, None] * sat + offs_d[None, :])
-        if MASK:
-            tl.atomic_add(a_ptrs, dqp, mask=(rows < L_q)[:, None], sem="relaxed")
-        else:
-            tl.atomic_add(a_ptrs, dqp, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, offs_n, offs_d, n0, offset, L_q,
-                  T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
-                  BN: tl.constexpr, FUSE_DQ: tl.constexpr, INTERPRET: tl.constexpr):
+def _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, q_row0, h, m, offs_m, offs_n, offs_d, n0, offset, L_q,
+                  T_q, qk_scale, sqt, sqh, sdt, sdh, BN: tl.constexpr, INTERPRET: tl.constexpr):
     """Same as `_dkdv_block`, computing S = Q K^T with the query rows as the M dimension (a 128-row M fills both
     warpgroups) and transposing P and dS (bf16) for the dV / dK products."""
     rows = m + offs_m
@@ -329,7 +301,7 @@ def _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, of
     delta = tl.load(DELTA + h.to(tl.int64) * T_q + q_row0 + rows, mask=rvalid, other=0.0)
     if INTERPRET:
         do = do.to(tl.float32)
-    lse2 = lse * 1.4426950408889634
+    lse2 = lse * LOG2E
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     p = tl.math.exp2(s - lse2[:, None])
     if n0 + BN > m + offset + 1:  # only blocks on the causal diagonal need the mask
@@ -345,18 +317,14 @@ def _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q_row0, h, m, offs_m, of
     if INTERPRET:
         dsc = dsc.to(tl.float32)
     dk = tl.dot(tl.trans(dsc), q, dk)
-    if FUSE_DQ:
-        dqp = tl.dot(dsc, k)  # [BM, D]
-        a_ptrs = DQA + rel * sat + h * sah + (offs_m[:, None] * sat + offs_d[None, :])
-        tl.atomic_add(a_ptrs, dqp, mask=rvalid[:, None], sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU_Q, CU_K, TS,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, TS,
                      sm_scale, T_q, T_k, n_seg, n_iter, H_kv, group,
-                     sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, sdkt, sdkh, sdvt, sdvh,
-                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FUSE_DQ: tl.constexpr,
+                     sqt, sqh, skt, skh, svt, svh, sdt, sdh, sdkt, sdkh, sdvt, sdvh,
+                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      S_ROWS: tl.constexpr, INTERPRET: tl.constexpr, PAIR: tl.constexpr = False):
     """dK, dV of key tiles of BN rows. PAIR: TS counts pairs of tiles (2 * BN rows) and a program computes key tiles
     i and n - 1 - i of its segment (n tiles): the first tiles see the most query blocks, the last the fewest, so
@@ -383,25 +351,24 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU_Q, CU_K, TS,
         # TS counts key tiles (PAIR: pairs): _find_tile's "a" is the key side here
         local, k0, L_k, q0, L_q = _find_tile(TS, CU_K, CU_Q, t, n_seg, n_iter, False)
         offset = L_k - L_q
-        qk_scale = sm_scale * 1.4426950408889634
+        qk_scale = sm_scale * LOG2E
         if PAIR:
             n_kt = (L_k + BN - 1) // BN
             for which in range(tl.minimum(n_kt - 2 * local, 2)):  # 1 when the pair is the middle tile alone
                 j = tl.where(which == 0, local, n_kt - 1 - local)
-                _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, j, k0, L_k, q0, L_q, hk, group, offset, qk_scale,
-                           sm_scale, T_q, sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, sdkt, sdkh, sdvt, sdvh,
-                           offs_m, offs_n, offs_d, D, BM, BN, FUSE_DQ, S_ROWS, INTERPRET)
+                _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, j, k0, L_k, q0, L_q, hk, group, offset, qk_scale,
+                           sm_scale, T_q, sqt, sqh, skt, skh, svt, svh, sdt, sdh, sdkt, sdkh, sdvt, sdvh,
+                           offs_m, offs_n, offs_d, D, BM, BN, S_ROWS, INTERPRET)
         else:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, local, k0, L_k, q0, L_q, hk, group, offset, qk_scale,
-                       sm_scale, T_q, sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, sdkt, sdkh, sdvt, sdvh,
-                       offs_m, offs_n, offs_d, D, BM, BN, FUSE_DQ, S_ROWS, INTERPRET)
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, local, k0, L_k, q0, L_q, hk, group, offset, qk_scale,
+                       sm_scale, T_q, sqt, sqh, skt, skh, svt, svh, sdt, sdh, sdkt, sdkh, sdvt, sdvh,
+                       offs_m, offs_n, offs_d, D, BM, BN, S_ROWS, INTERPRET)
 
 
 @triton.jit
-def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, j, k0, L_k, q0, L_q, hk, group, offset, qk_scale, sm_scale, T_q,
-               sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, sdkt, sdkh, sdvt, sdvh, offs_m, offs_n, offs_d,
-               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FUSE_DQ: tl.constexpr, S_ROWS: tl.constexpr,
-               INTERPRET: tl.constexpr):
+def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, j, k0, L_k, q0, L_q, hk, group, offset, qk_scale, sm_scale, T_q,
+               sqt, sqh, skt, skh, svt, svh, sdt, sdh, sdkt, sdkh, sdvt, sdvh, offs_m, offs_n, offs_d,
+               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, S_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
     """dK, dV of key tile j (rows j * BN ...) of a segment: the group's query heads in order, query blocks in order."""
     n0 = j * BN
     kvalid = (n0 + offs_n) < L_k
@@ -421,24 +388,13 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, j, k0, L_k, q0, L_q, hk, gr
         h = hk * group + g
         for m in range(m_lo, L_q, BM):
             if S_ROWS:
-                dk, dv = _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d,
-                                       n0, offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
-                                       BN, FUSE_DQ, INTERPRET)
+                dk, dv = _dkdv_block_s(dk, dv, k, v, Q, DO, LSE, DELTA, q0, h, m, offs_m, offs_n, offs_d,
+                                       n0, offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, BN, INTERPRET)
             else:
-                dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, q0, h, m, offs_m, offs_n, offs_d, n0,
-                                     offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, sat, sah,
-                                     True, FUSE_DQ, INTERPRET)
+                dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, q0, h, m, offs_m, offs_n, offs_d, n0,
+                                     offset, L_q, T_q, qk_scale, sqt, sqh, sdt, sdh, True, INTERPRET)
     dk = dk * sm_scale
     tl.store(DK + krow0 * sdkt + hk * sdkh + (offs_n[:, None] * sdkt + offs_d[None, :]),
              dk.to(DK.dtype.element_ty), mask=kvalid[:, None])
     tl.store(DV + krow0 * sdvt + hk * sdvh + (offs_n[:, None] * sdvt + offs_d[None, :]),
              dv.to(DV.dtype.element_ty), mask=kvalid[:, None])
-
-
-@triton.jit(do_not_specialize=["n_elem", "sm_scale"])
-def _dq_cast_kernel(DQA, DQ, n_elem, sm_scale, BLOCK: tl.constexpr):
-    """DQ = bf16(DQA * sm_scale) (fast variant: DQA is the fp32 atomic accumulator, zero on padding rows)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elem
-    x = tl.load(DQA + offs, mask=mask, other=0.0)
-    tl.store(DQ + offs, (x * sm_scale).to(DQ.dtype.element_ty), mask=mask)

@@ -1,8 +1,9 @@
-"""`gqa` implementation: operand checks, launchers, torch.library custom ops (+ fakes) and autograd.
+"""`gqa` implementation: operand checks, launchers, autograd.
 
-Layers: kernels.py (@triton.jit) -> launchers `gqa_forward` / `gqa_backward` (allocate, grid, no autograd) ->
-custom ops `miles_ext_kernels::gqa_fwd` / `gqa_bwd` with autograd registered (traced by torch.compile) and `_GQAFn`
-(a plain autograd.Function: eager calls) -> `varlen_gqa_attention`.
+Layers: kernels.py (@triton.jit) and gluon_*.py (sm_90a) -> launchers `gqa_forward` / `gqa_backward` (allocate, pick
+the route, launch through `_runtime.launch.launch`; no autograd) -> `GQA`, the op's `KernelOp` (custom ops
+`miles_ext_kernels::gqa_fwd` / `gqa_bwd` under torch.compile, the launchers directly in eager mode) ->
+`varlen_gqa_attention`. `routes()` runs the launchers on meta tensors, so prebuild compiles what they launch.
 """
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ import heapq
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..._runtime import checks, config, varlen, workspace
-from ..._runtime.build import INTERPRET, INTERPRETER_ARCH, cdiv, check_device, device_guard
+from ..._runtime.autograd import KernelOp
+from ..._runtime.build import INTERPRET, INTERPRETER_ARCH, cdiv, device_arch
+from ..._runtime.launch import arch_of, collect_routes, launch
+from ..._runtime.operands import operand
 from ...gqa import HEAD_DIM  # the declaration owns the served head dim
+from ...gqa import OP as SPEC
+from . import configs
 from . import kernels as K
+from .configs import CONFIGS
 
-try:  # the sm_90a forward; Gluon has no interpreter, so CPU runs use the Triton forward
+try:  # the sm_90a kernels; Gluon has no interpreter, so CPU runs use the Triton kernels
     from triton.experimental.gluon import language as _gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
 
@@ -27,61 +33,9 @@ try:  # the sm_90a forward; Gluon has no interpreter, so CPU runs use the Triton
 except ImportError:  # a triton without Gluon: the Triton kernels everywhere
     G = GB = None
 
-OP_NAME = "gqa"
+OP = SPEC.name
 DEFAULT_SCALE = HEAD_DIM ** -0.5
-
-# Fixed configs per arch (no runtime autotune: a new process picks the same config, hence the same bits).
-# Nothing here depends on T or B, so a document's bits do not depend on the pack it sits in.
-CONFIGS = {
-    "sm_90a": {
-        # DIAG_ONLY: the causal mask is computed only for key blocks on the diagonal (a branch, not a second loop)
-        "fwd": dict(BM=128, BN=64, num_warps=8, num_stages=2, DIAG_ONLY=True),
-        # the Gluon forward (gluon_fwd.py: a TMA loader warp and one partition per 64-row warpgroup; 4 warps is the
-        # default partition of a 12-warp CTA, 168 registers a thread before reallocation, then 240 for each
-        # warpgroup and 24 for the loader's) with the same BM, BN and the same bits; operands whose heads are not
-        # contiguous within a row take the Triton forward above
-        "fwd_gluon": dict(BM=128, BN=64, num_warps=4, maxnreg=168),
-        "dq": dict(BM=128, BN=64, num_warps=8, num_stages=1),
-        # the Gluon dQ pass (gluon_bwd.py): same tiles; operands the Gluon forward cannot read take "dq" above
-        "dq_gluon": dict(BM=128, BN=64, num_warps=8),
-        # S = Q K^T with 128 query rows as M: both warpgroups share the work (a 64-row M replicates it)
-        # PAIR "auto": programs take key tiles i and n-1-i of a segment where a model of the schedule says it
-        # shortens it (near-equal documents, few programs per SM); the bits are the same either way
-        "dkdv": dict(BM=128, BN=64, num_warps=8, num_stages=1, S_ROWS=True, PAIR="auto"),
-        # the Gluon dK/dV pass (gluon_bwd.py: a TMA loader warp and two warpgroups, one per accumulator); 4 warps
-        # is its default partition (the CTA has 12 warps: 4 + 4 + the loader's warpgroup; 168 registers a thread
-        # before reallocation, then 240 for each compute warpgroup and 24 for the loader's). Operands the Gluon
-        # forward cannot read take "dkdv" above
-        # ROUND "auto": on near-equal documents, tile j of every segment runs before tile j + 1 of any (the heaviest
-        # tiles of the last segments no longer start last); the order of programs only, never the bits
-        "dkdv_gluon": dict(BM=64, BN=64, num_warps=4, maxnreg=168, ROUND="auto"),
-        "delta": dict(BR=32, num_warps=4, num_stages=1),
-        "cast": dict(BLOCK=4096, num_warps=4, num_stages=1),
-    },
-    # the interpreter (CPU tests): small blocks so tiny shapes still cross tile and mask boundaries
-    INTERPRETER_ARCH: {
-        "fwd": dict(BM=16, BN=16, num_warps=4, num_stages=1, DIAG_ONLY=True),
-        "dq": dict(BM=16, BN=16, num_warps=4, num_stages=1),
-        "dkdv": dict(BM=16, BN=16, num_warps=4, num_stages=1, S_ROWS=True, PAIR=True),
-        "delta": dict(BR=16, num_warps=4, num_stages=1),
-        "cast": dict(BLOCK=1024, num_warps=4, num_stages=1),
-    },
-}
-
-# fast variant: dQ summed with fp32 atomics inside the dK/dV kernel (False: fast runs the det kernels)
-FAST_FUSED_DQ = {"sm_90a": False, INTERPRETER_ARCH: False}
-
-SCRATCH_ROLE = (OP_NAME, "bwd_scratch")
-SCHEDULE_MAX_WAVES = 12  # "auto" orders are modelled only up to this many dK/dV programs per SM
-# PAIR "auto" pairs only where the model's makespan drops below this fraction: on the H200 the paired kernel spills a
-# little more, and a predicted -20 % (16 x 2048, 3 query heads over 1) measured -7.5 % while a predicted -7 %
-# (16 x 2048, 16 over 2) measured +1 % (H200, triton 3.6, 2026-11-30)
-PAIR_GAIN = 0.85
-# ROUND "auto" (Gluon dK/dV) orders by rounds only where the model's makespan drops below this fraction: rounds
-# spread the running programs over every segment and kv head, which costs L2 locality: predicted -9 / -20 / -20 %
-# measured -3.5 / -16 / -15 % (16 x 2048 with 16/2, 8/1, 3/1 query/kv heads), while predicted +0.4 % measured +10 %
-# (24/4) and a forced round order on the irregular layout +18 % (H200, triton 3.6, 2026-11-30)
-ROUND_GAIN = 0.95
+SCRATCH_ROLE = (OP, "bwd_scratch")
 
 
 @functools.lru_cache(maxsize=256)
@@ -118,7 +72,7 @@ def _auto_order(order, B, T_k, max_seqlen_k, H_kv, group, device, bn, bm, gain) 
     if max_seqlen_k is None or B < 2 or max_seqlen_k <= 0 or not T_k * 0.9 <= B * max_seqlen_k <= T_k * 1.1:
         return False
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    if B * cdiv(max_seqlen_k, bn) * H_kv > SCHEDULE_MAX_WAVES * n_sm:
+    if B * cdiv(max_seqlen_k, bn) * H_kv > configs.SCHEDULE_MAX_WAVES * n_sm:
         return False
     return _order_gain(order, B, max_seqlen_k, H_kv, group, n_sm, bn, bm) < gain
 
@@ -127,7 +81,7 @@ def _use_pair(mode, B, T_k, max_seqlen_k, H_kv, group, device, c) -> bool:
     """PAIR config of the Triton dK/dV kernel: True / False, or "auto" (`_auto_order`)."""
     if mode != "auto":
         return bool(mode)
-    return _auto_order("pair", B, T_k, max_seqlen_k, H_kv, group, device, c["BN"], c["BM"], PAIR_GAIN)
+    return _auto_order("pair", B, T_k, max_seqlen_k, H_kv, group, device, c["BN"], c["BM"], configs.PAIR_GAIN)
 
 
 def _use_round(mode, B, T_k, max_seqlen_k, H_kv, group, device, c) -> bool:
@@ -137,7 +91,7 @@ def _use_round(mode, B, T_k, max_seqlen_k, H_kv, group, device, c) -> bool:
         return False
     if mode != "auto":
         return bool(mode)
-    return _auto_order("round", B, T_k, max_seqlen_k, H_kv, group, device, c["BN"], c["BM"], ROUND_GAIN)
+    return _auto_order("round", B, T_k, max_seqlen_k, H_kv, group, device, c["BN"], c["BM"], configs.ROUND_GAIN)
 
 
 # The kernels form `head * head_stride` and `row_in_tile * token_stride` in int32 (only a tile's first token offset is
@@ -147,16 +101,17 @@ _INT32_LIMIT = 2 ** 31
 _TILE_ROWS = 128
 
 
-def _ready(t: torch.Tensor) -> torch.Tensor:
-    """A [T, H, D] operand the kernels can read in place: 16-byte aligned start, row strides multiple of 16, and
-    head / in-tile row offsets within int32; a contiguous copy otherwise."""
+def _offsets_fit(t: torch.Tensor) -> bool:
     T, H, _ = t.shape
-    st = t.stride(0) if T > 1 else H * HEAD_DIM
-    sh = t.stride(1) if H > 1 else HEAD_DIM
-    if ((t.numel() > 0 and t.data_ptr() % 16) or st % 16 or sh % 16 or t.stride(2) != 1
-            or (H - 1) * sh >= _INT32_LIMIT or _TILE_ROWS * st >= _INT32_LIMIT):
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
+    st, sh = _strides(t)
+    return (H - 1) * sh < _INT32_LIMIT and _TILE_ROWS * st < _INT32_LIMIT
+
+
+def _ready(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A [T, H, D] operand the kernels can read in place: 16-byte aligned start, token and head strides multiples
+    of 16 elements (the Triton kernels are specialized on them, the Gluon ones read 16-byte rows), head and in-tile
+    row offsets within int32; a contiguous copy otherwise."""
+    return operand(t, OP, name, stride_multiple=16, fits=_offsets_fit)
 
 
 def _strides(t: torch.Tensor):
@@ -196,8 +151,8 @@ def _tile_layout(rows: int):
     return _gl.NVMMASharedLayout.get_default_for([rows, HEAD_DIM], _gl.bfloat16)
 
 
-def _cu_ready(cu: torch.Tensor) -> torch.Tensor:
-    return cu.clone() if cu.data_ptr() % 16 else cu
+def _cu_ready(cu: torch.Tensor, name: str) -> torch.Tensor:
+    return operand(cu, OP, name)  # a 16-byte aligned start: the tile-prefix kernel is specialized on it
 
 
 def _prefix(cu_a, cu_b, T_a: int, T_b: int, buf: torch.Tensor, tile: int) -> tuple:
@@ -209,10 +164,11 @@ def _prefix(cu_a, cu_b, T_a: int, T_b: int, buf: torch.Tensor, tile: int) -> tup
 # ----------------------------------------------------------------------------------------------------------------
 # launchers
 def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
-    """out [T_q, H_q, D] (q's dtype), lse fp32 [H_q, T_q]. Operands already checked."""
-    cfg = cfg or CONFIGS[check_device(q, "q")]
-    q, k, v = _ready(q), _ready(k), _ready(v)
-    cu_q, cu_k = _cu_ready(cu_q), _cu_ready(cu_k)
+    """out [T_q, H_q, D] (q's dtype), lse fp32 [H_q, T_q]. Operands already checked; `cfg` overrides the config
+    table (tests and benchmarks)."""
+    cfg = cfg or CONFIGS[arch_of(q, "q")]
+    q, k, v = _ready(q, "q"), _ready(k, "k"), _ready(v, "v")
+    cu_q, cu_k = _cu_ready(cu_q, "cu_seqlens_q"), _cu_ready(cu_k, "cu_seqlens_k")
     T_q, H_q, D = q.shape
     H_kv = k.shape[1]
     B = cu_q.shape[0] - 1
@@ -224,25 +180,22 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
         return out, lse
     buf = torch.empty(3 * varlen.bounds_buffer(B + 1), dtype=torch.int32, device=q.device)
     cu_q, cu_k, ts = _prefix(cu_q, cu_k, T_q, k.shape[0], buf, c["BM"])
-    sqt, sqh = _strides(q)
-    skt, skh = _strides(k)
-    svt, svh = _strides(v)
+    runtime = dict(CU_Q=cu_q, CU_K=cu_k, TS=ts, sm_scale=float(scale), T_q=T_q, n_seg=B, n_iter=B.bit_length(),
+                   H_q=H_q, group=H_q // H_kv, sot=out.stride(0), soh=out.stride(1))
     cg = cfg.get("fwd_gluon")
     if cg is not None and G is not None and not INTERPRET and _gluon_fwd_fits(q, k, v):
         assert cg["BM"] == c["BM"]  # the tile prefix above counts tiles of BM rows
         rows = cg["BM"] // 2  # Q and the output move in the two warpgroups' halves of the tile
-        G.fwd_kernel[(upper * H_q,)](
-            _gluon_desc(q, rows), _gluon_desc(k, cg["BN"]), _gluon_desc(v, cg["BN"]), _gluon_desc(out, rows),
-            out, lse, cu_q, cu_k, ts,
-            float(scale), T_q, B, B.bit_length(), H_q, H_q // H_kv, out.stride(0), out.stride(1),
-            D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
+        launch(G.fwd_kernel, (upper * H_q,), q_desc=_gluon_desc(q, rows), k_desc=_gluon_desc(k, cg["BN"]),
+               v_desc=_gluon_desc(v, cg["BN"]), o_desc=_gluon_desc(out, rows), O=out, LSE=lse, **runtime,
+               D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
         return out, lse
-    K._fwd_kernel[(upper * H_q,)](
-        q, k, v, out, lse, cu_q, cu_k, ts,
-        float(scale), T_q, B, B.bit_length(), H_q, H_q // H_kv,
-        sqt, sqh, skt, skh, svt, svh, out.stride(0), out.stride(1),
-        D=D, BM=c["BM"], BN=c["BN"], DIAG_ONLY=c.get("DIAG_ONLY", False), INTERPRET=INTERPRET,
-        num_warps=c["num_warps"], num_stages=c["num_stages"])
+    sqt, sqh = _strides(q)
+    skt, skh = _strides(k)
+    svt, svh = _strides(v)
+    launch(K._fwd_kernel, (upper * H_q,), Q=q, K=k, V=v, O=out, LSE=lse, **runtime, sqt=sqt, sqh=sqh, skt=skt,
+           skh=skh, svt=svt, svh=svh, D=D, BM=c["BM"], BN=c["BN"], DIAG_ONLY=c.get("DIAG_ONLY", False),
+           INTERPRET=INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out, lse
 
 
@@ -250,17 +203,16 @@ def _align(n: int) -> int:
     return cdiv(n, 256) * 256
 
 
-def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, cfg=None, fused=None,
-                 parts=("delta", "dkdv", "dq"), max_seqlen_k=None):
-    """(dq, dk, dv) in the dtypes of q, k, v. `cfg`, `fused` and `parts` override the config (benchmarks only).
-    `max_seqlen_k` (the caller's contract) lets the dK/dV launch pair key tiles (Triton, config PAIR "auto") or run
-    in rounds (Gluon, ROUND "auto"); neither changes the bits, whatever value is given."""
-    arch = check_device(q, "q")
-    cfg = cfg or CONFIGS[arch]
-    if fused is None:
-        fused = variant == "fast" and FAST_FUSED_DQ[arch]
-    q, k, v, do, out = _ready(q), _ready(k), _ready(v), _ready(do), _ready(out)
-    cu_q, cu_k = _cu_ready(cu_q), _cu_ready(cu_k)
+def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, cfg=None,
+                 parts=("dkdv", "dq"), max_seqlen_k=None, pair=None, rounds=None):
+    """(dq, dk, dv) in the dtypes of q, k, v. Both variants run these kernels (no atomics). `cfg` and `parts`
+    override the config (tests and benchmarks); `pair` / `rounds` force the dK/dV launch order (routes() planning;
+    otherwise the config's, "auto" deciding per call from host shapes). `max_seqlen_k` (the caller's contract) lets
+    the dK/dV launch pair key tiles (Triton) or run in rounds (Gluon); neither changes the bits, whatever value is
+    given."""
+    cfg = cfg or CONFIGS[arch_of(q, "q")]
+    q, k, v, do, out = _ready(q, "q"), _ready(k, "k"), _ready(v, "v"), _ready(do, "dout"), _ready(out, "out")
+    cu_q, cu_k = _cu_ready(cu_q, "cu_seqlens_q"), _cu_ready(cu_k, "cu_seqlens_k")
     T_q, H_q, D = q.shape
     T_k, H_kv = k.shape[:2]
     group = H_q // H_kv
@@ -268,234 +220,124 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     dq = torch.empty((T_q, H_q, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((T_k, H_kv, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((T_k, H_kv, D), dtype=v.dtype, device=v.device)
-    cq, ckv, cd = cfg["dq"], cfg["dkdv"], cfg["delta"]
-    # one scratch buffer: [fp32 dQ accumulator (fused only)] [delta fp32 H_q*T_q] [boundaries + tile prefix, q pass]
-    # [boundaries + tile prefix, k pass]
-    n_acc = _align(T_q * H_q * D * 4) if fused else 0
+    cq, ckv = cfg["dq"], cfg["dkdv"]
+    # one scratch buffer: [delta fp32 H_q * T_q] [boundaries + tile prefix, q pass] [boundaries + tile prefix, k pass]
     n_delta = _align(H_q * T_q * 4)
     n_ts = _align(3 * varlen.bounds_buffer(B + 1) * 4)
-    scratch = workspace.take(SCRATCH_ROLE, n_acc + n_delta + 2 * n_ts, device=q.device)
-    dqa = scratch[:n_acc].view(torch.float32) if fused else scratch[:16].view(torch.float32)
-    delta = scratch[n_acc:n_acc + n_delta].view(torch.float32)
-    buf_q = scratch[n_acc + n_delta:n_acc + n_delta + n_ts].view(torch.int32)
-    buf_k = scratch[n_acc + n_delta + n_ts:].view(torch.int32)
+    scratch = workspace.take(SCRATCH_ROLE, n_delta + 2 * n_ts, device=q.device)
+    delta = scratch[:n_delta].view(torch.float32)
+    buf_q = scratch[n_delta:n_delta + n_ts].view(torch.int32)
+    buf_k = scratch[n_delta + n_ts:].view(torch.int32)
     cu_q_raw, cu_k_raw = cu_q, cu_k
     sqt, sqh = _strides(q)
     skt, skh = _strides(k)
     svt, svh = _strides(v)
     sdt, sdh = _strides(do)
-    sot, soh = _strides(out)
+    gluon_bwd = GB is not None and not INTERPRET and _gluon_bwd_fits(q, k, v, do)
+    # dQ first: its kernel also writes delta = rowsum(dO * O), which the dK/dV kernel reads
     upper_q = cdiv(T_q, cq["BM"]) + B
-    if not fused:
-        # dQ first: its kernel also writes delta = rowsum(dO * O), which the dK/dV kernel reads
-        if upper_q * H_q > 0 and "dq" in parts:
-            cu_q, cu_k, ts_q = _prefix(cu_q_raw, cu_k_raw, T_q, T_k, buf_q, cq["BM"])
-            cgq = cfg.get("dq_gluon")
-            if cgq is not None and GB is not None and not INTERPRET and _gluon_bwd_fits(q, k, v, do):
-                assert cgq["BM"] == cq["BM"]  # the tile prefix above counts tiles of BM rows
-                GB.dq_kernel[(upper_q * H_q,)](
-                    _gluon_desc(q, cgq["BM"]), _gluon_desc(k, cgq["BN"]), _gluon_desc(v, cgq["BN"]),
-                    _gluon_desc(do, cgq["BM"]), out, lse, delta, dq, cu_q, cu_k, ts_q, float(scale), T_q, B,
-                    B.bit_length(), H_q, group, sot, soh, dq.stride(0), dq.stride(1),
-                    D=D, BM=cgq["BM"], BN=cgq["BN"], num_warps=cgq["num_warps"])
-            else:
-                K._bwd_dq_kernel[(upper_q * H_q,)](
-                    q, k, v, do, out, lse, delta, dq, cu_q, cu_k, ts_q,
-                    float(scale), T_q, B, B.bit_length(), H_q, group,
-                    sqt, sqh, skt, skh, svt, svh, sdt, sdh, sot, soh, dq.stride(0), dq.stride(1),
-                    D=D, BM=cq["BM"], BN=cq["BN"], INTERPRET=INTERPRET,
-                    num_warps=cq["num_warps"], num_stages=cq["num_stages"])
-    elif T_q * H_q > 0 and "delta" in parts:
-        K._bwd_delta_kernel[(cdiv(T_q, cd["BR"]) * H_q,)](
-            out, do, delta, T_q, H_q, sot, soh, sdt, sdh,
-            D=D, BR=cd["BR"], INTERPRET=INTERPRET, num_warps=cd["num_warps"], num_stages=cd["num_stages"])
+    if upper_q * H_q > 0 and "dq" in parts:
+        cu_q, cu_k, ts_q = _prefix(cu_q_raw, cu_k_raw, T_q, T_k, buf_q, cq["BM"])
+        runtime = dict(O=out, LSE=lse, DELTA=delta, DQ=dq, CU_Q=cu_q, CU_K=cu_k, TS=ts_q, sm_scale=float(scale),
+                       T_q=T_q, n_seg=B, n_iter=B.bit_length(), H_q=H_q, group=group, sot=_strides(out)[0],
+                       soh=_strides(out)[1], sdqt=dq.stride(0), sdqh=dq.stride(1))
+        cgq = cfg.get("dq_gluon")
+        if cgq is not None and gluon_bwd:
+            assert cgq["BM"] == cq["BM"]  # the tile prefix above counts tiles of BM rows
+            launch(GB.dq_kernel, (upper_q * H_q,), q_desc=_gluon_desc(q, cgq["BM"]), k_desc=_gluon_desc(k, cgq["BN"]),
+                   v_desc=_gluon_desc(v, cgq["BN"]), do_desc=_gluon_desc(do, cgq["BM"]), **runtime, D=D,
+                   BM=cgq["BM"], BN=cgq["BN"], num_warps=cgq["num_warps"])
+        else:
+            launch(K._bwd_dq_kernel, (upper_q * H_q,), Q=q, K=k, V=v, DO=do, **runtime, sqt=sqt, sqh=sqh, skt=skt,
+                   skh=skh, svt=svt, svh=svh, sdt=sdt, sdh=sdh, D=D, BM=cq["BM"], BN=cq["BN"], INTERPRET=INTERPRET,
+                   num_warps=cq["num_warps"], num_stages=cq["num_stages"])
     cg = cfg.get("dkdv_gluon")
-    gluon = (cg is not None and GB is not None and not INTERPRET and not fused and "dkdv" in parts
-             and _gluon_bwd_fits(q, k, v, do))
-    pair = "dkdv" in parts and not gluon and _use_pair(ckv.get("PAIR", False), B, T_k, max_seqlen_k, H_kv, group,
-                                                       q.device, ckv)
-    rounds = gluon and _use_round(cg.get("ROUND", False), B, T_k, max_seqlen_k, H_kv, group, q.device, cg)
+    gluon = cg is not None and gluon_bwd and "dkdv" in parts
+    if pair is None:
+        pair = "dkdv" in parts and not gluon and _use_pair(ckv.get("PAIR", False), B, T_k, max_seqlen_k, H_kv, group,
+                                                           q.device, ckv)
+    if rounds is None:
+        rounds = gluon and _use_round(cg.get("ROUND", False), B, T_k, max_seqlen_k, H_kv, group, q.device, cg)
     tile_k = (cg["BN"] if gluon else ckv["BN"]) * (2 if pair else 1)  # PAIR: the prefix counts pairs of key tiles
     # ROUND: n_kt_max programs per segment first (the grid's size only: the Gluon kernel's per-tile programs that
     # follow cover any tile past them, so an understated max_seqlen_k changes the order, never the result)
     n_kt_max = cdiv(max_seqlen_k, tile_k) if rounds else 0
     upper_k = n_kt_max * B + cdiv(T_k, tile_k) + B
-    if fused:
-        dqa.zero_()
     if upper_k * H_kv > 0 and "dkdv" in parts:
         cu_k, cu_q, ts_k = _prefix(cu_k_raw, cu_q_raw, T_k, T_q, buf_k, tile_k)
+        runtime = dict(LSE=lse, DELTA=delta, DK=dk, DV=dv, CU_Q=cu_q, CU_K=cu_k, TS=ts_k, sm_scale=float(scale),
+                       T_q=T_q, T_k=T_k, n_seg=B, n_iter=B.bit_length(), H_kv=H_kv, group=group, sdkt=dk.stride(0),
+                       sdkh=dk.stride(1), sdvt=dv.stride(0), sdvh=dv.stride(1))
         if gluon:
-            GB.dkdv_kernel[(upper_k * H_kv,)](
-                _gluon_desc(q, cg["BM"]), _gluon_desc(k, cg["BN"]), _gluon_desc(v, cg["BN"]), _gluon_desc(do, cg["BM"]),
-                lse, delta, dk, dv, cu_q, cu_k, ts_k, float(scale), T_q, T_k, B, B.bit_length(), H_kv, group,
-                n_kt_max, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
+            launch(GB.dkdv_kernel, (upper_k * H_kv,), q_desc=_gluon_desc(q, cg["BM"]), k_desc=_gluon_desc(k, cg["BN"]),
+                   v_desc=_gluon_desc(v, cg["BN"]), do_desc=_gluon_desc(do, cg["BM"]), **runtime, n_kt_max=n_kt_max,
+                   D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
         else:
-            sat, sah = H_q * D, D
-            K._bwd_dkdv_kernel[(upper_k * H_kv,)](
-                q, k, v, do, lse, delta, dk, dv, dqa, cu_q, cu_k, ts_k,
-                float(scale), T_q, T_k, B, B.bit_length(), H_kv, group,
-                sqt, sqh, skt, skh, svt, svh, sdt, sdh, sat, sah, dk.stride(0), dk.stride(1), dv.stride(0),
-                dv.stride(1),
-                D=D, BM=ckv["BM"], BN=ckv["BN"], FUSE_DQ=fused, S_ROWS=ckv.get("S_ROWS", False),
-                INTERPRET=INTERPRET, PAIR=pair,
-                num_warps=ckv["num_warps"], num_stages=ckv["num_stages"])
-    if fused:
-        n = T_q * H_q * D
-        if n > 0 and "dq" in parts:
-            cc = cfg["cast"]
-            K._dq_cast_kernel[(cdiv(n, cc["BLOCK"]),)](dqa, dq, n, float(scale), BLOCK=cc["BLOCK"],
-                                                        num_warps=cc["num_warps"], num_stages=cc["num_stages"])
+            launch(K._bwd_dkdv_kernel, (upper_k * H_kv,), Q=q, K=k, V=v, DO=do, **runtime, sqt=sqt, sqh=sqh,
+                   skt=skt, skh=skh, svt=svt, svh=svh, sdt=sdt, sdh=sdh, D=D, BM=ckv["BM"], BN=ckv["BN"],
+                   S_ROWS=ckv.get("S_ROWS", False), INTERPRET=INTERPRET, PAIR=pair, num_warps=ckv["num_warps"],
+                   num_stages=ckv["num_stages"])
     return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# routes: every kernel specialization a call can launch (prebuild compiles these; no_build proves it is enough)
-def routes(**model_params):
-    """The kernel routes of gqa on the current device's arch (head dim fixed at 256: no model parameters)."""
-    from ..._runtime.build import Route, device_arch
-
-    if model_params:
-        raise TypeError(f"gqa routes take no model parameters, got {sorted(model_params)}")
-    arch = device_arch()
-    cfg = CONFIGS[arch]
-    bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
-    n, st, sh = 1000, 4096, 256  # runtime ints (not specialized) and row strides (multiples of 16 elements)
-
-    def launch(c):
-        return {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
-
-    # (the dK/dV kernel's S_ROWS flag is part of the fixed config)
-
-    out = [Route(varlen.tile_prefix_kernel, (cu_t, cu_t, i32, i32, i32, n, 64, n, n), (1,),
-                 {"BLOCK": varlen.TILE_PREFIX_BLOCK["gpu"], "num_warps": 4, "num_stages": 1},
-                 f"tile_prefix[{str(cu_t)[6:]}]") for cu_t in (i32, torch.int64)]
-    c = cfg["fwd"]
-    out.append(Route(K._fwd_kernel, (bf, bf, bf, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n) + (st, sh) * 4,
-                     (1,), {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "DIAG_ONLY": c.get("DIAG_ONLY", False),
-                            "INTERPRET": False, **launch(c)}, "fwd"))
-
-    def desc(rows):  # descriptors on meta tensors stand in for the real ones (specialized on block shape, layout)
-        return _GluonDescriptor(torch.empty(rows, HEAD_DIM, dtype=bf, device="meta"), [rows, HEAD_DIM],
-                                [HEAD_DIM, 1], [rows, HEAD_DIM], _tile_layout(rows))
-
-    cg = cfg.get("fwd_gluon")
-    if cg is not None and G is not None:
-        dq_, dk_ = desc(cg["BM"] // 2), desc(cg["BN"])
-        out.append(Route(G.fwd_kernel, (dq_, dk_, dk_, dq_, bf, f32, i32, i32, i32, 0.0625, n, n, n, n, n, st, sh),
-                         (1,), {"D": HEAD_DIM, "BM": cg["BM"], "BN": cg["BN"], "num_warps": cg["num_warps"],
-                                "maxnreg": cg["maxnreg"]}, "fwd_gluon"))
-    cb = cfg.get("dq_gluon")
-    if cb is not None and GB is not None:
-        out.append(Route(GB.dq_kernel, (desc(cb["BM"]), desc(cb["BN"]), desc(cb["BN"]), desc(cb["BM"]), bf, f32, f32,
-                                        bf, i32, i32, i32, 0.0625, n, n, n, n, n, st, sh, st, sh), (1,),
-                         {"D": HEAD_DIM, "BM": cb["BM"], "BN": cb["BN"], "num_warps": cb["num_warps"]},
-                         "bwd_dq_gluon"))
-    cb = cfg.get("dkdv_gluon")
-    if cb is not None and GB is not None:
-        # (one route for both launch orders: ROUND only changes the runtime n_kt_max and the grid)
-        out.append(Route(GB.dkdv_kernel, (desc(cb["BM"]), desc(cb["BN"]), desc(cb["BN"]), desc(cb["BM"]), f32, f32,
-                                          bf, bf, i32, i32, i32, 0.0625, n, n, n, n, n, n, n, st, sh, st, sh), (1,),
-                         {"D": HEAD_DIM, "BM": cb["BM"], "BN": cb["BN"], "num_warps": cb["num_warps"],
-                          "maxnreg": cb["maxnreg"]}, "bwd_dkdv_gluon"))
-    if FAST_FUSED_DQ[arch]:
-        c = cfg["delta"]
-        out.append(Route(K._bwd_delta_kernel, (bf, bf, f32, n, n) + (st, sh) * 2, (1,),
-                         {"D": HEAD_DIM, "BR": c["BR"], "INTERPRET": False, **launch(c)}, "bwd_delta"))
-    c = cfg["dq"]
-    out.append(Route(K._bwd_dq_kernel, (bf, bf, bf, bf, bf, f32, f32, bf, i32, i32, i32, 0.0625, n, n, n, n, n)
-                     + (st, sh) * 6, (1,),
-                     {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "INTERPRET": False, **launch(c)}, "bwd_dq"))
-    c = cfg["dkdv"]
-    for fused in (False, True) if FAST_FUSED_DQ[arch] else (False,):
-        # PAIR "auto" takes either route per call
-        pairs = {"auto": (False, True), True: (True,), False: (False,)}[c.get("PAIR", False)]
-        for pair in pairs:
-            out.append(Route(K._bwd_dkdv_kernel, (bf, bf, bf, bf, f32, f32, bf, bf, f32, i32, i32, i32, 0.0625, n, n,
-                                                  n, n, n, n) + (st, sh) * 7, (1,),
-                             {"D": HEAD_DIM, "BM": c["BM"], "BN": c["BN"], "FUSE_DQ": fused,
-                              "S_ROWS": c.get("S_ROWS", False), "INTERPRET": False, "PAIR": pair, **launch(c)},
-                             f"bwd_dkdv{'_fused_dq' if fused else ''}{'_pair' if pair else ''}"))
-    if FAST_FUSED_DQ[arch]:
-        c = cfg["cast"]
-        out.append(Route(K._dq_cast_kernel, (f32, bf, n, 0.0625), (1,), {"BLOCK": c["BLOCK"], **launch(c)},
-                         "dq_cast"))
-    return out
+# autograd: one KernelOp (eager: the launchers; torch.compile: the custom ops gqa_fwd / gqa_bwd)
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+             cu_seqlens_k: torch.Tensor, softmax_scale: float, max_seqlen_k: int,
+             variant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return gqa_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)  # out and LSE: one kernel, both variants
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# torch.library custom ops, so torch.compile(fullgraph=True) traces the op
-@torch.library.custom_op("miles_ext_kernels::gqa_fwd", mutates_args=())
-def gqa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-            cu_seqlens_k: torch.Tensor, softmax_scale: float, variant: str,
-            max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # out and LSE come from the same kernel in both variants
-    with device_guard(q):
-        return gqa_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
-
-
-@gqa_fwd.register_fake
-def _gqa_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant, max_seqlen_k):
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, max_seqlen_k, variant):
     T_q, H_q, D = q.shape
     return q.new_empty((T_q, H_q, D)), q.new_empty((H_q, T_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("miles_ext_kernels::gqa_bwd", mutates_args=())
-def gqa_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, softmax_scale: float,
-            variant: str, max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with device_guard(q):
-        return gqa_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant,
-                            max_seqlen_k=max_seqlen_k)
+def _setup(inputs, res):
+    q, k, v, cu_q, cu_k, scale, max_seqlen_k, variant = inputs
+    out, lse = res
+    return (q, k, v, out, lse, cu_q, cu_k), (scale, max_seqlen_k, variant)
 
 
-@gqa_bwd.register_fake
-def _gqa_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant, max_seqlen_k):
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, scale, variant, max_seqlen_k = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.scale = scale
-    ctx.max_seqlen_k = max_seqlen_k
-    ctx.variant = variant  # a backward runs the variant its forward ran
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    if dout is None:
+def _backward(dout: torch.Tensor | None, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+              softmax_scale: float, max_seqlen_k: int,
+              variant: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if dout is None:  # only the LSE reached the loss: it is not differentiable, so every gradient is 0
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.miles_ext_kernels.gqa_bwd(dout, q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.variant,
-                                                     ctx.max_seqlen_k)
-    return dq, dk, dv, None, None, None, None, None
+    return gqa_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, variant,
+                        max_seqlen_k=max_seqlen_k)
 
 
-gqa_fwd.register_autograd(_backward, setup_context=_setup_context)
+def _backward_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, max_seqlen_k, variant):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-# eager autograd: a plain autograd.Function with the same forward and backward (a torch.library custom op costs
-# ~100 us of host time per call in eager mode); torch.compile traces the custom ops above instead
-class _GQAFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, scale, variant, max_seqlen_k):
-        with device_guard(q):
-            out, lse = gqa_forward(q, k, v, cu_q, cu_k, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.scale, ctx.variant, ctx.max_seqlen_k = scale, variant, max_seqlen_k
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+GQA = KernelOp(OP, forward=_forward, forward_fake=_forward_fake, setup=_setup, backward=_backward,
+               backward_fake=_backward_fake, grad_inputs=(0, 1, 2), n_outputs=2, non_differentiable=(1,))
 
-    @staticmethod
-    @once_differentiable  # a second derivative raises instead of silently carrying no history
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        with device_guard(q):
-            dq, dk, dv = gqa_backward(dout, q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.variant,
-                                      max_seqlen_k=ctx.max_seqlen_k)
-        return dq, dk, dv, None, None, None, None, None
+
+# ----------------------------------------------------------------------------------------------------------------
+# routes: the launchers above, run on meta tensors, record every specialization a call can launch
+def routes(**model_params):
+    """The kernel routes of gqa on the current device's arch (head dim fixed at 256: no model parameters): both
+    variants (same kernels), the Gluon route (heads of a token contiguous) and the Triton route (wider head stride),
+    int32 and int64 cu_seqlens, both dK/dV launch orders."""
+    if model_params:
+        raise TypeError(f"gqa routes take no model parameters, got {sorted(model_params)}")
+    arch = INTERPRETER_ARCH if INTERPRET else device_arch()
+    meta, bf = "meta", torch.bfloat16
+    with collect_routes(arch) as rs:
+        for cu_dtype in (torch.int32, torch.int64):
+            cu = torch.empty(3, dtype=cu_dtype, device=meta)
+            for head_stride in (HEAD_DIM, 2 * HEAD_DIM):  # heads of a token contiguous (Gluon on sm_90a), or not
+                q = torch.empty(4096, 2, head_stride, dtype=bf, device=meta)[:, :, :HEAD_DIM]
+                k = v = torch.empty(4096, 1, HEAD_DIM, dtype=bf, device=meta)
+                out, lse = gqa_forward(q, k, v, cu, cu, DEFAULT_SCALE)
+                for pair, rounds in ((False, False), (True, False), (False, True)):
+                    gqa_backward(q, q, k, v, out, lse, cu, cu, DEFAULT_SCALE, "det", max_seqlen_k=2048, pair=pair,
+                                 rounds=rounds)
+    return rs.routes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -507,7 +349,7 @@ def _check_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_s
         checks.check_tensor(name, t, dtype=(torch.int32, torch.int64), ndim=1, last_stride_one=True)
     checks.check_same_device([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                               ("cu_seqlens_k", cu_seqlens_k)])
-    check_device(q, "q")
+    arch_of(q, "q")
     T_q, H_q, D = q.shape
     T_k, H_kv, D_k = k.shape
     if D != HEAD_DIM:
@@ -551,13 +393,8 @@ def varlen_gqa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_k, s
                          return_lse=False):
     """See `miles_ext_kernels.cake.gqa.varlen_gqa_attention`."""
     _check_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, return_lse)
-    variant = config.variant(OP_NAME)
-    if config.option(OP_NAME, "check_seqlens"):
+    if config.option(OP, "check_seqlens"):
         check_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_k)
     scale = DEFAULT_SCALE if softmax_scale is None else float(softmax_scale)
-    if torch.compiler.is_compiling():
-        out, lse = torch.ops.miles_ext_kernels.gqa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, variant,
-                                                       int(max_seqlen_k))
-    else:
-        out, lse = _GQAFn.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, variant, int(max_seqlen_k))
+    out, lse = GQA(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, int(max_seqlen_k))
     return (out, lse) if return_lse else out
