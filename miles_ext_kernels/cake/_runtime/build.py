@@ -126,7 +126,11 @@ class Route:
 
     def warmup(self):
         if isinstance(self.args, dict):
-            return self.kernel.warmup(grid=self.grid, **self.args, **self.constexprs)
+            # warmup wraps torch dtypes into its mock tensors only when they come positionally
+            from triton.runtime.jit import MockTensor
+
+            args = {k: MockTensor.wrap_dtype(v) for k, v in self.args.items()}
+            return self.kernel.warmup(grid=self.grid, **args, **self.constexprs)
         return self.kernel.warmup(*self.args, grid=self.grid, **self.constexprs)
 
 
