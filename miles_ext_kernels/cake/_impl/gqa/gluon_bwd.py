@@ -74,13 +74,12 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sme
     tma.async_copy_global_to_shared(k_desc, [k0 + n0, hk * D], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k0 + n0, hk * D], kv_bar, v_smem)
     for i in range(group * n_m):
-        s = i % 2
-        free_phase = ((i // 2) & 1) ^ 1  # a fresh mbarrier counts as having completed the phase before phase 0
+        s, phase = U.ring_slot(q_empty, i)  # (the Q and dO rings advance together)
         h, m = _step(i, n_m, m_lo, hk, group, BM)
-        mbarrier.wait(q_empty.index(s), free_phase)
+        mbarrier.wait(q_empty.index(s), phase ^ 1)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q0 + m, h * D], q_ready.index(s), q_smem.index(s))
-        mbarrier.wait(do_empty.index(s), free_phase)
+        mbarrier.wait(do_empty.index(s), phase ^ 1)
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [q0 + m, h * D], do_ready.index(s), do_smem.index(s))
 
@@ -126,9 +125,10 @@ def _wait_q_do(q_smem, do_smem, q_ready, do_ready, stage, phase, m, L_q, BM: gl.
 
 
 @gluon.jit
-def _publish_p(p, p_smem, p_full, p_empty, stage, free_phase):
-    """Warpgroup 0: P^T (fp32) into `stage` once warpgroup 1 has released it, then signal it."""
-    mbarrier.wait(p_empty.index(stage), free_phase)
+def _publish_p(p, p_smem, p_full, p_empty, stage, phase):
+    """Warpgroup 0: P^T (fp32) into `stage` once warpgroup 1 has released it, then signal it (`stage`, `phase`: the
+    use's `U.ring_slot`)."""
+    mbarrier.wait(p_empty.index(stage), phase ^ 1)
     p_smem.index(stage).store(p)
     mbarrier.arrive(p_full.index(stage), count=1)
 
@@ -149,18 +149,16 @@ def _dkdv_s_dv(k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_emp
     mbarrier.wait(kv_bar, 0)
     if n_steps > 0:
         h, m = _step(0, n_m, m_lo, hk, group, BM)
-        _wait_q_do(q_smem, do_smem, q_ready, do_ready, 0, 0, m, L_q, BM, D)
+        _wait_q_do(q_smem, do_smem, q_ready, do_ready, 0, 0, m, L_q, BM, D)  # use 0 of the rings: stage 0, phase 0
         st = warpgroup_mma(k_smem, q_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         mbarrier.arrive(q_empty.index(0), count=1)
         p = _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM, BN, s_layout)
-        _publish_p(p, p_smem, p_full, p_empty, 0, 1)
+        _publish_p(p, p_smem, p_full, p_empty, 0, 0)
         pa = gl.convert_layout(p.to(gl.bfloat16), a_layout)
         for i in range(n_steps):
-            s = i % 2
-            phase = (i // 2) & 1
-            ns = (i + 1) % 2
-            nphase = ((i + 1) // 2) & 1
+            s, phase = U.ring_slot(q_ready, i)  # (all three rings advance together, one use a step)
+            ns, nphase = U.ring_slot(q_ready, i + 1)
             if i + 1 < n_steps:
                 h, m = _step(i + 1, n_m, m_lo, hk, group, BM)
                 _wait_q_do(q_smem, do_smem, q_ready, do_ready, ns, nphase, m, L_q, BM, D)
@@ -173,7 +171,7 @@ def _dkdv_s_dv(k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_emp
                 st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
                 mbarrier.arrive(q_empty.index(ns), count=1)
                 p = _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM, BN, s_layout)
-                _publish_p(p, p_smem, p_full, p_empty, ns, nphase ^ 1)
+                _publish_p(p, p_smem, p_full, p_empty, ns, nphase)
                 dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, pa))[0]
                 mbarrier.arrive(do_empty.index(s), count=1)
                 pa = gl.convert_layout(p.to(gl.bfloat16), a_layout)
@@ -205,15 +203,13 @@ def _dkdv_dp_dk(v_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_em
     offs_q = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
     mbarrier.wait(kv_bar, 0)
     if n_steps > 0:
-        mbarrier.wait(do_ready.index(0), 0)
+        mbarrier.wait(do_ready.index(0), 0)  # use 0 of the ring: stage 0, phase 0
         dpt = warpgroup_mma(v_smem, do_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
         mbarrier.arrive(do_empty.index(0), count=1)
         for i in range(n_steps):
-            s = i % 2
-            phase = (i // 2) & 1
-            ns = (i + 1) % 2
-            nphase = ((i + 1) // 2) & 1
+            s, phase = U.ring_slot(do_ready, i)  # (all three rings advance together, one use a step)
+            ns, nphase = U.ring_slot(do_ready, i + 1)
             h, m = _step(i, n_m, m_lo, hk, group, BM)
             qvalid = (m + offs_q) < L_q
             delta = _query_vec(DELTA, h, T_q, q0, m, L_q, BM, s_layout)
@@ -407,10 +403,11 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, O, LSE, DELTA, DQ, CU_Q, CU_K, TS
         ds = gl.zeros([BM, BN], gl.bfloat16, ds_layout)
         s_zero = gl.zeros([BM, BN], gl.float32, s_layout)
         for j in range(0, n_blocks):
-            stage = j % 2
+            stage, phase = U.ring_slot(k_bars, j)
             n = j * BN
-            mbarrier.wait(k_bars.index(stage), (j // 2) & 1)
-            mbarrier.wait(v_bar, j & 1)
+            mbarrier.wait(k_bars.index(stage), phase)
+            _, v_phase = U.ring_slot(v_bar, j)  # (V: a ring of one stage)
+            mbarrier.wait(v_bar, v_phase)
             if n + BN > L_k:  # rows past the segment's keys: zero K and V (see the module docstring)
                 U.zero_rows_from(k_smem.index(stage), L_k - n, BN, D, num_warps)
                 U.zero_rows_from(v_smem, L_k - n, BN, D, num_warps)

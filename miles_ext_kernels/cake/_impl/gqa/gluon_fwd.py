@@ -60,12 +60,11 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v
     U.request(q_desc, q_smem.index(0), q_bar.index(0), q_row, col_q)
     U.request(q_desc, q_smem.index(1), q_bar.index(1), q_row + ROWS, col_q)
     for j in range(n_blocks):
-        s = j % 2
-        free_phase = ((j // 2) & 1) ^ 1  # a fresh mbarrier counts as having completed the phase before phase 0
-        mbarrier.wait(k_empty.index(s), free_phase)
-        U.request(k_desc, k_smem.index(s), k_full.index(s), k0 + j * BN, col_k)
-        mbarrier.wait(v_empty.index(s), free_phase)
-        U.request(v_desc, v_smem.index(s), v_full.index(s), k0 + j * BN, col_k)
+        stage, phase = U.ring_slot(k_empty, j)  # (the K and V rings advance together)
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        U.request(k_desc, k_smem.index(stage), k_full.index(stage), k0 + j * BN, col_k)
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        U.request(v_desc, v_smem.index(stage), v_full.index(stage), k0 + j * BN, col_k)
 
 
 @gluon.jit
@@ -89,15 +88,15 @@ def _fwd_rows(o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_
     p = gl.zeros([ROWS, BN], gl.float32, s_layout)
     mbarrier.wait(q_bar.index(HALF), 0)
     if n_blocks > 0:
-        mbarrier.wait(k_full.index(0), 0)
+        mbarrier.wait(k_full.index(0), 0)  # use 0 of the ring: stage 0, phase 0
         s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         mbarrier.arrive(k_empty.index(0), count=1)
         p, alpha, l_i, m_i = _softmax(s, 0, mr, offset, L_k, m_i, l_i, qk_scale, ROWS, BN, s_layout)
     for j in range(0, n_blocks):
-        stage = j % 2
+        stage, phase = U.ring_slot(v_full, j)
         n = j * BN
-        mbarrier.wait(v_full.index(stage), (j // 2) & 1)
+        mbarrier.wait(v_full.index(stage), phase)
         if n + BN > L_k:
             # zero V rows past the segment's keys (0 * NaN padding would not be 0). Only the segment's last block
             # crosses L_k, and warpgroup 1 always runs it: warpgroup 1 zeroes, warpgroup 0 waits for that
@@ -110,8 +109,8 @@ def _fwd_rows(o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_
                 mbarrier.wait(v_zeroed, 0)
         pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
         if j + 1 < n_blocks:
-            nstage = (j + 1) % 2
-            mbarrier.wait(k_full.index(nstage), ((j + 1) // 2) & 1)
+            nstage, nphase = U.ring_slot(k_full, j + 1)
+            mbarrier.wait(k_full.index(nstage), nphase)
             s_tok = warpgroup_mma(q_tile, k_smem.index(nstage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc_tok = warpgroup_mma(pb, v_smem.index(stage), acc, is_async=True)
             # wgmma groups complete in order: one outstanding = S_{j+1} done, P_j V_j may still run
