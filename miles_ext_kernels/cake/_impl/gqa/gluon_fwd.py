@@ -53,10 +53,15 @@ def _softmax(s, n, m0, offset, L_k, m_i, l_i, qk_scale, BM: gl.constexpr, BN: gl
 
 
 @gluon.jit
-def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, q_row, k0,
-                col_q, col_k, n_blocks, ROWS: gl.constexpr, BN: gl.constexpr):
-    """One warp: the two 64-row halves of the Q tile, then K and V blocks into two stages each (a stage is refilled
-    once both warpgroups have released it)."""
+def _fwd_loader(descs, q_halves, k_ring, v_ring, q_at, kv_at, n_blocks, ROWS: gl.constexpr, BN: gl.constexpr):
+    """One warp: the two 64-row halves of the Q tile, then K and V blocks into their rings (a stage is refilled once
+    both warpgroups have released it). `q_at`: (row, column) of the Q tile; `kv_at`: of K/V block 0."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, q_bar = q_halves
+    k_smem, k_full, k_empty = k_ring
+    v_smem, v_full, v_empty = v_ring
+    q_row, col_q = q_at
+    k0, col_k = kv_at
     U.request(q_desc, q_smem.index(0), q_bar.index(0), q_row, col_q)
     U.request(q_desc, q_smem.index(1), q_bar.index(1), q_row + ROWS, col_q)
     for j in range(n_blocks):
@@ -68,12 +73,17 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v
 
 
 @gluon.jit
-def _fwd_rows(o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, v_zeroed, O, LSE, T_q, q0, L_q,
-              L_k, m0, offset, h, qk_scale, sot, soh, HALF: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr,
-              BN: gl.constexpr):
+def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: gl.constexpr, D: gl.constexpr,
+              ROWS: gl.constexpr, BN: gl.constexpr):
     """One warpgroup: query rows [m0 + HALF * ROWS, + ROWS) of the tile, over the key blocks they see (warpgroup 0
     may stop one block before warpgroup 1: that block is fully masked for its rows, so skipping it leaves the bits
-    unchanged)."""
+    unchanged). `out`: (o_desc, O, LSE, T_q, O's token and head strides); `tile`: `U.query_tile`'s (q0, L_q, L_k, m0,
+    offset)."""
+    o_desc, O, LSE, T_q, sot, soh = out
+    q_smem, q_bar = q_halves
+    k_smem, k_full, k_empty = k_ring
+    v_smem, v_full, v_empty = v_ring
+    q0, L_q, L_k, m0, offset = tile
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -180,11 +190,14 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale,
             mbarrier.init(v_full.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # released by both warpgroups
             mbarrier.init(v_empty.index(i), count=2)
+        out = (o_desc, O, LSE, T_q, sot, soh)
+        q_halves = (q_smem, q_bar)  # the two warpgroups' 64-row halves of the Q tile, one barrier each
+        k_ring = (k_smem, k_full, k_empty)
+        v_ring = (v_smem, v_full, v_empty)
+        tile = (q0, L_q, L_k, m0, offset)
         gl.warp_specialize([
-            (_fwd_rows, (o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, v_zeroed, O, LSE,
-                         T_q, q0, L_q, L_k, m0, offset, h, qk_scale, sot, soh, 0, D, ROWS, BN)),
-            (_fwd_rows, (o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, v_zeroed, O, LSE,
-                         T_q, q0, L_q, L_k, m0, offset, h, qk_scale, sot, soh, 1, D, ROWS, BN)),
-            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-                           q0 + m0, k0, h * D, hk * D, n_blocks, ROWS, BN)),
+            (_fwd_rows, (out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, 0, D, ROWS, BN)),
+            (_fwd_rows, (out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, 1, D, ROWS, BN)),
+            (_fwd_loader, ((q_desc, k_desc, v_desc), q_halves, k_ring, v_ring, (q0 + m0, h * D), (k0, hk * D),
+                           n_blocks, ROWS, BN)),
         ], [4, 1], [240, 24])

@@ -3,7 +3,8 @@ stores.
 
 A ring is a [STAGES, ...] shared-memory buffer with two [STAGES, 1] mbarrier arrays: "ready" (or "full"), completed
 by the producer (a TMA's bytes, or an arrive) once a stage holds use i, and "empty", completed by the consumers'
-arrives once they have released it. The stage and phase of each use come from `ring_slot`.
+arrives once they have released it. The stage and phase of each use come from `ring_slot`. Partitions take a ring
+as the tuple (smem, ready, empty).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
