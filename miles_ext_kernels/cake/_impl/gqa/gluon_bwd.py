@@ -57,30 +57,36 @@ _RUNTIME = ["sm_scale", "T_q", "T_k", "n_seg", "n_iter", "H_kv", "group", "n_kt_
 
 
 @gluon.jit
-def _step(i, n_m, m_lo, hk, group, BM: gl.constexpr):
-    """Step i of a program: query head h and query block start m (heads outer, blocks inner: the Triton kernel's
-    order, hence its bits. Blocks from the last down with heads inner, so that the programs of a segment read the
-    same tiles at the same time, measured 11 % slower on the H200)."""
+def _step(steps, i, BM: gl.constexpr):
+    """Step i of a program: query head h and query block start m. `steps`: (hk, group, m_lo, n_m), the kv head, its
+    query heads, and the first of the n_m query blocks each of them runs (heads outer, blocks inner: the Triton
+    kernel's order, hence its bits. Blocks from the last down with heads inner, so that the programs of a segment
+    read the same tiles at the same time, measured 11 % slower on the H200)."""
+    hk, group, m_lo, n_m = steps
     g = i // n_m
     return hk * group + g, m_lo + (i - g * n_m) * BM
 
 
 @gluon.jit
-def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
-                 q_empty, do_empty, k0, n0, q0, hk, group, m_lo, n_m, D: gl.constexpr, BM: gl.constexpr):
-    """One warp: K and V of the tile, then Q and dO of every step into two stages (a stage is refilled once both
+def _dkdv_loader(descs, kv, q_ring, do_ring, tile, steps, D: gl.constexpr, BM: gl.constexpr):
+    """One warp: K and V of the tile, then Q and dO of every step into their rings (a stage is refilled once both
     warpgroups have released it)."""
+    q_desc, k_desc, v_desc, do_desc = descs
+    k_smem, v_smem, kv_bar = kv
+    q_smem, q_ready, q_empty = q_ring
+    do_smem, do_ready, do_empty = do_ring
+    q0, k0, n0, L_q, L_k, offset = tile
+    hk, group, m_lo, n_m = steps
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k0 + n0, hk * D], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k0 + n0, hk * D], kv_bar, v_smem)
     for i in range(group * n_m):
-        s = i % 2
-        free_phase = ((i // 2) & 1) ^ 1  # a fresh mbarrier counts as having completed the phase before phase 0
-        h, m = _step(i, n_m, m_lo, hk, group, BM)
-        mbarrier.wait(q_empty.index(s), free_phase)
+        s, phase = U.ring_slot(q_empty, i)  # (the Q and dO rings advance together)
+        h, m = _step(steps, i, BM)
+        mbarrier.wait(q_empty.index(s), phase ^ 1)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q0 + m, h * D], q_ready.index(s), q_smem.index(s))
-        mbarrier.wait(do_empty.index(s), free_phase)
+        mbarrier.wait(do_empty.index(s), phase ^ 1)
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [q0 + m, h * D], do_ready.index(s), do_smem.index(s))
 
@@ -114,9 +120,11 @@ def _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM: gl.constexpr,
 
 
 @gluon.jit
-def _wait_q_do(q_smem, do_smem, q_ready, do_ready, stage, phase, m, L_q, BM: gl.constexpr, D: gl.constexpr):
+def _wait_q_do(q_ring, do_ring, stage, phase, m, L_q, BM: gl.constexpr, D: gl.constexpr):
     """Warpgroup 0, before S^T of a step: wait for its Q tile; on a segment's last, partial query block also for its
     dO tile, and zero the rows past the segment in both (fenced for the asynchronous readers)."""
+    q_smem, q_ready, q_empty = q_ring
+    do_smem, do_ready, do_empty = do_ring
     mbarrier.wait(q_ready.index(stage), phase)
     if m + BM > L_q:
         mbarrier.wait(do_ready.index(stage), phase)
@@ -126,44 +134,50 @@ def _wait_q_do(q_smem, do_smem, q_ready, do_ready, stage, phase, m, L_q, BM: gl.
 
 
 @gluon.jit
-def _publish_p(p, p_smem, p_full, p_empty, stage, free_phase):
-    """Warpgroup 0: P^T (fp32) into `stage` once warpgroup 1 has released it, then signal it."""
-    mbarrier.wait(p_empty.index(stage), free_phase)
+def _publish_p(p, p_ring, stage, phase):
+    """Warpgroup 0: P^T (fp32) into `stage` once warpgroup 1 has released it, then signal it (`stage`, `phase`: the
+    use's `U.ring_slot`)."""
+    p_smem, p_full, p_empty = p_ring
+    mbarrier.wait(p_empty.index(stage), phase ^ 1)
     p_smem.index(stage).store(p)
     mbarrier.arrive(p_full.index(stage), count=1)
 
 
 @gluon.jit
-def _dkdv_s_dv(k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, p_full, p_empty, LSE,
-           DV, T_q, q0, k0, n0, L_q, L_k, offset, hk, group, m_lo, n_m, qk_scale, sdvt, sdvh,
-           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+def _dkdv_s_dv(kv, q_ring, do_ring, p_ring, tile, steps, LSE, T_q, qk_scale, dv_out, D: gl.constexpr,
+               BM: gl.constexpr, BN: gl.constexpr):
     """Warpgroup 0: S^T = K Q^T, P^T (fp32, published for warpgroup 1), dV += P^T dO; stores dV. Also zeroes the
-    Q and dO rows past the segment of a partial query block, before it publishes that step's P^T."""
+    Q and dO rows past the segment of a partial query block, before it publishes that step's P^T. `dv_out`: (DV,
+    token stride, head stride)."""
+    k_smem, v_smem, kv_bar = kv
+    q_smem, q_ready, q_empty = q_ring
+    do_smem, do_ready, do_empty = do_ring
+    q0, k0, n0, L_q, L_k, offset = tile
+    DV, sdvt, sdvh = dv_out
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    hk, group, m_lo, n_m = steps
     n_steps = group * n_m
     s_zero = gl.zeros([BN, BM], gl.float32, s_layout)
     dv = gl.zeros([BN, D], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
     if n_steps > 0:
-        h, m = _step(0, n_m, m_lo, hk, group, BM)
-        _wait_q_do(q_smem, do_smem, q_ready, do_ready, 0, 0, m, L_q, BM, D)
+        h, m = _step(steps, 0, BM)
+        _wait_q_do(q_ring, do_ring, 0, 0, m, L_q, BM, D)  # use 0 of the rings: stage 0, phase 0
         st = warpgroup_mma(k_smem, q_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         mbarrier.arrive(q_empty.index(0), count=1)
         p = _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM, BN, s_layout)
-        _publish_p(p, p_smem, p_full, p_empty, 0, 1)
+        _publish_p(p, p_ring, 0, 0)
         pa = gl.convert_layout(p.to(gl.bfloat16), a_layout)
         for i in range(n_steps):
-            s = i % 2
-            phase = (i // 2) & 1
-            ns = (i + 1) % 2
-            nphase = ((i + 1) // 2) & 1
+            s, phase = U.ring_slot(q_ready, i)  # (all three rings advance together, one use a step)
+            ns, nphase = U.ring_slot(q_ready, i + 1)
             if i + 1 < n_steps:
-                h, m = _step(i + 1, n_m, m_lo, hk, group, BM)
-                _wait_q_do(q_smem, do_smem, q_ready, do_ready, ns, nphase, m, L_q, BM, D)
+                h, m = _step(steps, i + 1, BM)
+                _wait_q_do(q_ring, do_ring, ns, nphase, m, L_q, BM, D)
                 st_tok = warpgroup_mma(k_smem, q_smem.index(ns).permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
                 mbarrier.wait(do_ready.index(s), phase)
@@ -173,7 +187,7 @@ def _dkdv_s_dv(k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_emp
                 st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
                 mbarrier.arrive(q_empty.index(ns), count=1)
                 p = _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM, BN, s_layout)
-                _publish_p(p, p_smem, p_full, p_empty, ns, nphase ^ 1)
+                _publish_p(p, p_ring, ns, nphase)
                 dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, pa))[0]
                 mbarrier.arrive(do_empty.index(s), count=1)
                 pa = gl.convert_layout(p.to(gl.bfloat16), a_layout)
@@ -189,14 +203,21 @@ def _dkdv_s_dv(k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_emp
 
 
 @gluon.jit
-def _dkdv_dp_dk(v_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, p_full, p_empty, DELTA,
-           DK, T_q, q0, k0, n0, L_q, L_k, hk, group, m_lo, n_m, sm_scale, sdkt, sdkh,
-           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """Warpgroup 1: dP^T = V dO^T, dS^T = P^T * (dP^T - delta) with warpgroup 0's fp32 P^T, dK += dS^T Q; stores dK."""
+def _dkdv_dp_dk(kv, q_ring, do_ring, p_ring, tile, steps, DELTA, T_q, sm_scale, dk_out, D: gl.constexpr,
+                BM: gl.constexpr, BN: gl.constexpr):
+    """Warpgroup 1: dP^T = V dO^T, dS^T = P^T * (dP^T - delta) with warpgroup 0's fp32 P^T, dK += dS^T Q; stores dK.
+    `dk_out`: (DK, token stride, head stride)."""
+    k_smem, v_smem, kv_bar = kv
+    q_smem, q_ready, q_empty = q_ring
+    do_smem, do_ready, do_empty = do_ring
+    p_smem, p_full, p_empty = p_ring
+    q0, k0, n0, L_q, L_k, offset = tile
+    DK, sdkt, sdkh = dk_out
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    hk, group, m_lo, n_m = steps
     n_steps = group * n_m
     s_zero = gl.zeros([BN, BM], gl.float32, s_layout)
     # dK is waited within its step: an asynchronous accumulator carried across steps (warpgroup_mma_init) made ptxas
@@ -205,16 +226,14 @@ def _dkdv_dp_dk(v_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_em
     offs_q = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
     mbarrier.wait(kv_bar, 0)
     if n_steps > 0:
-        mbarrier.wait(do_ready.index(0), 0)
+        mbarrier.wait(do_ready.index(0), 0)  # use 0 of the ring: stage 0, phase 0
         dpt = warpgroup_mma(v_smem, do_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
         mbarrier.arrive(do_empty.index(0), count=1)
         for i in range(n_steps):
-            s = i % 2
-            phase = (i // 2) & 1
-            ns = (i + 1) % 2
-            nphase = ((i + 1) // 2) & 1
-            h, m = _step(i, n_m, m_lo, hk, group, BM)
+            s, phase = U.ring_slot(do_ready, i)  # (all three rings advance together, one use a step)
+            ns, nphase = U.ring_slot(do_ready, i + 1)
+            h, m = _step(steps, i, BM)
             qvalid = (m + offs_q) < L_q
             delta = _query_vec(DELTA, h, T_q, q0, m, L_q, BM, s_layout)
             mbarrier.wait(p_full.index(s), phase)
@@ -310,15 +329,18 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, CU_Q, CU_K,
             mbarrier.init(do_empty.index(i), count=2)
             mbarrier.init(p_full.index(i), count=1)
             mbarrier.init(p_empty.index(i), count=1)
+        kv = (k_smem, v_smem, kv_bar)  # resident for the whole program, one barrier
+        q_ring = (q_smem, q_ready, q_empty)
+        do_ring = (do_smem, do_ready, do_empty)
+        p_ring = (p_smem, p_full, p_empty)
+        # the segment's first query and key, the tile's first key, the lengths (rows [n0, L_k_out) are stored)
+        tile = (q0, k0, n0, L_q, L_k_out, offset)
+        steps = (hk, group, m_lo, n_m)  # `_step`
         gl.warp_specialize([
-            (_dkdv_s_dv, (k_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, p_full,
-                      p_empty, LSE, DV, T_q, q0, k0, n0, L_q, L_k_out, offset, hk, group, m_lo, n_m, qk_scale, sdvt,
-                      sdvh, D, BM, BN)),
-            (_dkdv_dp_dk, (v_smem, q_smem, do_smem, p_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, p_full,
-                      p_empty, DELTA, DK, T_q, q0, k0, n0, L_q, L_k_out, hk, group, m_lo, n_m, sm_scale, sdkt, sdkh,
-                      D, BM, BN)),
-            (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
-                            do_ready, q_empty, do_empty, k0, n0, q0, hk, group, m_lo, n_m, D, BM)),
+            (_dkdv_s_dv, (kv, q_ring, do_ring, p_ring, tile, steps, LSE, T_q, qk_scale, (DV, sdvt, sdvh), D, BM, BN)),
+            (_dkdv_dp_dk, (kv, q_ring, do_ring, p_ring, tile, steps, DELTA, T_q, sm_scale, (DK, sdkt, sdkh), D, BM,
+                           BN)),
+            (_dkdv_loader, ((q_desc, k_desc, v_desc, do_desc), kv, q_ring, do_ring, tile, steps, D, BM)),
         ], [4, 1], [240, 24])
 
 
@@ -407,10 +429,11 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, O, LSE, DELTA, DQ, CU_Q, CU_K, TS
         ds = gl.zeros([BM, BN], gl.bfloat16, ds_layout)
         s_zero = gl.zeros([BM, BN], gl.float32, s_layout)
         for j in range(0, n_blocks):
-            stage = j % 2
+            stage, phase = U.ring_slot(k_bars, j)
             n = j * BN
-            mbarrier.wait(k_bars.index(stage), (j // 2) & 1)
-            mbarrier.wait(v_bar, j & 1)
+            mbarrier.wait(k_bars.index(stage), phase)
+            _, v_phase = U.ring_slot(v_bar, j)  # (V: a ring of one stage)
+            mbarrier.wait(v_bar, v_phase)
             if n + BN > L_k:  # rows past the segment's keys: zero K and V (see the module docstring)
                 U.zero_rows_from(k_smem.index(stage), L_k - n, BN, D, num_warps)
                 U.zero_rows_from(v_smem, L_k - n, BN, D, num_warps)

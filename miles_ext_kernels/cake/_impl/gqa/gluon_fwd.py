@@ -53,28 +53,37 @@ def _softmax(s, n, m0, offset, L_k, m_i, l_i, qk_scale, BM: gl.constexpr, BN: gl
 
 
 @gluon.jit
-def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, q_row, k0,
-                col_q, col_k, n_blocks, ROWS: gl.constexpr, BN: gl.constexpr):
-    """One warp: the two 64-row halves of the Q tile, then K and V blocks into two stages each (a stage is refilled
-    once both warpgroups have released it)."""
+def _fwd_loader(descs, q_halves, k_ring, v_ring, q_at, kv_at, n_blocks, ROWS: gl.constexpr, BN: gl.constexpr):
+    """One warp: the two 64-row halves of the Q tile, then K and V blocks into their rings (a stage is refilled once
+    both warpgroups have released it). `q_at`: (row, column) of the Q tile; `kv_at`: of K/V block 0."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, q_bar = q_halves
+    k_smem, k_full, k_empty = k_ring
+    v_smem, v_full, v_empty = v_ring
+    q_row, col_q = q_at
+    k0, col_k = kv_at
     U.request(q_desc, q_smem.index(0), q_bar.index(0), q_row, col_q)
     U.request(q_desc, q_smem.index(1), q_bar.index(1), q_row + ROWS, col_q)
     for j in range(n_blocks):
-        s = j % 2
-        free_phase = ((j // 2) & 1) ^ 1  # a fresh mbarrier counts as having completed the phase before phase 0
-        mbarrier.wait(k_empty.index(s), free_phase)
-        U.request(k_desc, k_smem.index(s), k_full.index(s), k0 + j * BN, col_k)
-        mbarrier.wait(v_empty.index(s), free_phase)
-        U.request(v_desc, v_smem.index(s), v_full.index(s), k0 + j * BN, col_k)
+        stage, phase = U.ring_slot(k_empty, j)  # (the K and V rings advance together)
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        U.request(k_desc, k_smem.index(stage), k_full.index(stage), k0 + j * BN, col_k)
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        U.request(v_desc, v_smem.index(stage), v_full.index(stage), k0 + j * BN, col_k)
 
 
 @gluon.jit
-def _fwd_rows(o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, v_zeroed, O, LSE, T_q, q0, L_q,
-              L_k, m0, offset, h, qk_scale, sot, soh, HALF: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr,
-              BN: gl.constexpr):
+def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: gl.constexpr, D: gl.constexpr,
+              ROWS: gl.constexpr, BN: gl.constexpr):
     """One warpgroup: query rows [m0 + HALF * ROWS, + ROWS) of the tile, over the key blocks they see (warpgroup 0
     may stop one block before warpgroup 1: that block is fully masked for its rows, so skipping it leaves the bits
-    unchanged)."""
+    unchanged). `out`: (o_desc, O, LSE, T_q, O's token and head strides); `tile`: `U.query_tile`'s (q0, L_q, L_k, m0,
+    offset)."""
+    o_desc, O, LSE, T_q, sot, soh = out
+    q_smem, q_bar = q_halves
+    k_smem, k_full, k_empty = k_ring
+    v_smem, v_full, v_empty = v_ring
+    q0, L_q, L_k, m0, offset = tile
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -89,15 +98,15 @@ def _fwd_rows(o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_
     p = gl.zeros([ROWS, BN], gl.float32, s_layout)
     mbarrier.wait(q_bar.index(HALF), 0)
     if n_blocks > 0:
-        mbarrier.wait(k_full.index(0), 0)
+        mbarrier.wait(k_full.index(0), 0)  # use 0 of the ring: stage 0, phase 0
         s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         mbarrier.arrive(k_empty.index(0), count=1)
         p, alpha, l_i, m_i = _softmax(s, 0, mr, offset, L_k, m_i, l_i, qk_scale, ROWS, BN, s_layout)
     for j in range(0, n_blocks):
-        stage = j % 2
+        stage, phase = U.ring_slot(v_full, j)
         n = j * BN
-        mbarrier.wait(v_full.index(stage), (j // 2) & 1)
+        mbarrier.wait(v_full.index(stage), phase)
         if n + BN > L_k:
             # zero V rows past the segment's keys (0 * NaN padding would not be 0). Only the segment's last block
             # crosses L_k, and warpgroup 1 always runs it: warpgroup 1 zeroes, warpgroup 0 waits for that
@@ -110,8 +119,8 @@ def _fwd_rows(o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_
                 mbarrier.wait(v_zeroed, 0)
         pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
         if j + 1 < n_blocks:
-            nstage = (j + 1) % 2
-            mbarrier.wait(k_full.index(nstage), ((j + 1) // 2) & 1)
+            nstage, nphase = U.ring_slot(k_full, j + 1)
+            mbarrier.wait(k_full.index(nstage), nphase)
             s_tok = warpgroup_mma(q_tile, k_smem.index(nstage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc_tok = warpgroup_mma(pb, v_smem.index(stage), acc, is_async=True)
             # wgmma groups complete in order: one outstanding = S_{j+1} done, P_j V_j may still run
@@ -181,11 +190,14 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale,
             mbarrier.init(v_full.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # released by both warpgroups
             mbarrier.init(v_empty.index(i), count=2)
+        out = (o_desc, O, LSE, T_q, sot, soh)
+        q_halves = (q_smem, q_bar)  # the two warpgroups' 64-row halves of the Q tile, one barrier each
+        k_ring = (k_smem, k_full, k_empty)
+        v_ring = (v_smem, v_full, v_empty)
+        tile = (q0, L_q, L_k, m0, offset)
         gl.warp_specialize([
-            (_fwd_rows, (o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, v_zeroed, O, LSE,
-                         T_q, q0, L_q, L_k, m0, offset, h, qk_scale, sot, soh, 0, D, ROWS, BN)),
-            (_fwd_rows, (o_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, v_zeroed, O, LSE,
-                         T_q, q0, L_q, L_k, m0, offset, h, qk_scale, sot, soh, 1, D, ROWS, BN)),
-            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-                           q0 + m0, k0, h * D, hk * D, n_blocks, ROWS, BN)),
+            (_fwd_rows, (out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, 0, D, ROWS, BN)),
+            (_fwd_rows, (out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, 1, D, ROWS, BN)),
+            (_fwd_loader, ((q_desc, k_desc, v_desc), q_halves, k_ring, v_ring, (q0 + m0, h * D), (k0, hk * D),
+                           n_blocks, ROWS, BN)),
         ], [4, 1], [240, 24])

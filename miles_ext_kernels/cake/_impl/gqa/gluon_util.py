@@ -1,9 +1,27 @@
-"""Gluon helpers shared by the gqa kernels of `gluon_fwd.py` and `gluon_bwd.py` (TMA requests, row stores)."""
+"""Gluon helpers shared by the gqa kernels of `gluon_fwd.py` and `gluon_bwd.py`: mbarrier rings, TMA requests, row
+stores.
+
+A ring is a [STAGES, ...] shared-memory buffer with two [STAGES, 1] mbarrier arrays: "ready" (or "full"), completed
+by the producer (a TMA's bytes, or an arrive) once a stage holds use i, and "empty", completed by the consumers'
+arrives once they have released it. The stage and phase of each use come from `ring_slot`. Partitions take a ring
+as the tuple (smem, ready, empty).
+"""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from . import kernels as K
+
+
+@gluon.jit
+def ring_slot(bars, i):
+    """Stage and phase of use i (0, 1, ...) of a ring whose mbarriers are `bars` ([STAGES, 1]; a [1] barrier is a
+    ring of one stage). Use i takes stage i % STAGES and is completion number i // STAGES of that stage's barriers,
+    so consumers wait on "ready" for phase (i // STAGES) & 1. The producer of use i waits on "empty" for the release
+    of use i - STAGES, phase ^ 1: a fresh mbarrier counts as having completed the phase before phase 0, so the
+    first STAGES uses do not wait."""
+    STAGES: gl.constexpr = bars.shape[0]
+    return i % STAGES, (i // STAGES) & 1
 
 
 @gluon.jit
