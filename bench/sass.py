@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GLUON_ROUTES = ("fwd_gluon", "bwd_dq_gluon", "bwd_dkdv_gluon")  # route labels of `_impl/gqa/ops.routes()`
 
 
 def _tool(name: str) -> str:
@@ -50,7 +49,11 @@ def _compile(route, target):
     kwargs = dict(route.constexprs)
     kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    bound_args, specialization, options = binder(*map(MockTensor.wrap_dtype, route.args), **kwargs)
+    if isinstance(route.args, dict):  # routes recorded from keyword launches (`_runtime.launch`)
+        kwargs.update({k: MockTensor.wrap_dtype(v) for k, v in route.args.items()})
+        bound_args, specialization, options = binder(**kwargs)
+    else:
+        bound_args, specialization, options = binder(*map(MockTensor.wrap_dtype, route.args), **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
     src = (GluonASTSource if kernel.is_gluon() else ASTSource)(kernel, signature, constexprs, attrs)
     return triton.compile(src, target=target, options=options.__dict__)
@@ -98,24 +101,28 @@ def _is_target(ins: str) -> bool:  # instructions whose immediate is a code addr
 
 
 def build(out: Path) -> list[dict]:
-    """Compile the Gluon routes of the importable `miles_ext_kernels`, write <label>.sass into `out`, return rows."""
+    """Compile the Gluon routes of the importable `miles_ext_kernels`, write <kernel>.sass into `out`, return rows."""
     from triton.backends.compiler import GPUTarget
 
     from miles_ext_kernels.cake._impl.gqa import ops
     from miles_ext_kernels.cake._runtime import build as B
 
-    B.device_arch = lambda device=None: "sm_90a"  # routes() asks the current GPU's arch; there is none here
+    # routes() asks the current GPU's arch; there is none here
+    B.device_arch = ops.device_arch = lambda device=None: "sm_90a"
     target = GPUTarget("cuda", 90, 32)
     rows = []
     out.mkdir(parents=True, exist_ok=True)
+    seen = set()
     for route in ops.routes():
-        if route.label not in GLUON_ROUTES:
-            continue
+        name = route.kernel.fn.__name__
+        if not getattr(route.kernel, "is_gluon", lambda: False)() or name in seen:
+            continue  # one route per Gluon kernel (their boundaries are always the int32 clamped copies)
+        seen.add(name)
         ck = _compile(route, target)
         sass = _sass(ck.asm["cubin"])
-        (out / f"{route.label}.sass").write_text(sass)
+        (out / f"{name}.sass").write_text(sass)
         ins = instructions(sass)
-        row = {"route": route.label, "kernel": route.kernel.fn.__name__, "shared": ck.metadata.shared,
+        row = {"route": name, "kernel": route.kernel.fn.__name__, "shared": ck.metadata.shared,
                **_ptxas_report(ck.asm["ptx"]), "instructions": len(ins),
                "HGMMA": sum(i.split()[0].startswith("HGMMA") or " HGMMA" in i for i in ins),
                "DEPBAR": sum("WARPGROUP.DEPBAR" in i for i in ins),
@@ -145,7 +152,7 @@ def _table(rows: list[dict], title: str) -> None:
 def compare(dir_a: Path, dir_b: Path) -> bool:
     """Print, per route, whether the SASS of `dir_b` is identical to `dir_a`'s; True when all are."""
     same = True
-    for label in GLUON_ROUTES:
+    for label in ("fwd_kernel", "dq_kernel", "dkdv_kernel"):  # the Gluon kernels, one route each
         a, b = (d / f"{label}.sass" for d in (dir_a, dir_b))
         if not (a.exists() and b.exists()):
             print(f"  {label}: missing in {'a' if not a.exists() else 'b'}")
