@@ -446,6 +446,8 @@ class _Run:
                         print(_line(row), flush=True)
                     if p.det:
                         a, b = timed.result(), timed.result()
+                        if a is None:
+                            raise TypeError("det=True needs the provider's result() (Autograd, or Calls.result)")
                         same = len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
                         for row in rows:
                             row["bits_repeat"] = same
