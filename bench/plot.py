@@ -105,8 +105,13 @@ def plot(path: Path, out_dir: Path | None = None) -> Path:
         has_metric = metric and any(f"{timer}_{metric}" in r for r in by_key.values())
         field = f"{timer}_{metric}" if has_metric else f"{timer}_ms"
         for j, prov in enumerate(providers):
-            vals = [by_key.get((s, prov), {}).get(field) or 0.0 for s in shapes]
-            ax.bar([i + j * width for i in range(len(shapes))], vals, width, label=prov)
+            mine = [by_key.get((s, prov), {}) for s in shapes]
+            f, label = field, prov
+            if not any(r.get(f) for r in mine):  # a provider measured in another timer only (legacy FlexAttention)
+                other = next((t for t in PRIMARY if any(r.get(f"{t}{field[len(timer):]}") for r in mine)), None)
+                if other:
+                    f, label = f"{other}{field[len(timer):]}", f"{prov} ({other})"
+            ax.bar([i + j * width for i in range(len(shapes))], [r.get(f) or 0.0 for r in mine], width, label=label)
         ax.set_xticks([i + width * (len(providers) - 1) / 2 for i in range(len(shapes))])
         ax.set_xticklabels(shapes, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel(unit if has_metric else "ms")
