@@ -72,6 +72,11 @@ ON_CPU = {
 }
 
 
+def test_every_benchmark_is_dry_run_here():
+    files = {p.stem for p in BENCH.glob("*.py")} - {"_common", "plot", "ab"}
+    assert files == set(ON_CPU), "a bench/<op>.py is missing from ON_CPU (or ON_CPU names a file that is gone)"
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("name", sorted(ON_CPU))
 def test_declaration_dry_run(name, tmp_path):
