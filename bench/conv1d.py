@@ -2,20 +2,19 @@
 
 Peers: fla's `causal_conv1d` (Triton, backend="triton") and a PyTorch reference (F.conv1d per document in bf16 +
 SiLU, autograd backward). Qwen3-Next's shape: D = 2*16*128 + 2*32*128 = 12288 channels, 32768 tokens.
-Bytes: fwd reads x and writes y; bwd reads x and dy and writes dx (weights are negligible). Times are medians of
-calls queued back to back (`*_synced`: one sync per call, `_common.median_ms`, which adds the host launch time). Also reports each
-implementation's relative RMS error against the FP64 reference on the main shape, and whether det repeats bits.
-Prints a table; writes bench/results/conv1d.json.
+Bytes: fwd reads x and writes y; bwd reads x and dy and writes dx (weights are negligible). Modes fwd and bwd
+(autograd.grad on a kept graph), each in device time (`device_ms`), queued back to back (`queued_ms`) and synced
+(`median_ms`). Accuracy: relative RMS of y, dx, dw against the FP64 reference on the main shape; det bits
+checked to repeat. Writes bench/results/conv1d.json (see _common.py for the row format).
 
-    python bench/conv1d.py [--no-fla] [--no-torch] [--sweep]
+    python bench/conv1d.py [--no-fla] [--no-torch] [--prebuild] [--sweep [--write-config]] [--dry-run] [--help]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import time
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -24,14 +23,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import COPY_TBPS, median_ms, print_table, queued_ms, write_results  # noqa: E402
+from _common import COPY_TBPS, Autograd, Bench, Provider, Timed, device_ms, parser, print_table, run
 
-import miles_ext_kernels as mek  # noqa: E402
-from miles_ext_kernels import cake  # noqa: E402
-from miles_ext_kernels.cake import conv1d  # noqa: E402
-from miles_ext_kernels.cake._impl.conv1d import ops  # noqa: E402
-from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_shift  # noqa: E402
-
+from miles_ext_kernels import cake
+from miles_ext_kernels.cake import conv1d
 
 D = 12288
 W = 4
@@ -48,6 +43,7 @@ def irregular_lengths():
 
 
 def layouts():
+    """label -> document lengths (None: one sequence of 32768 tokens without cu_seqlens)."""
     return {
         "16x2048": [2048] * 16,
         "irregular": irregular_lengths(),
@@ -55,241 +51,162 @@ def layouts():
     }
 
 
-def make(lens, wdt, seed=0):
-    T = 32768 if lens is None else sum(lens)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn(D, W, device="cuda", generator=g) * 0.5).to(wdt)
-    dy = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+def shapes():
+    out = {}
+    for wdt in ("bfloat16", "float32"):
+        for lname, lens in layouts().items():
+            if wdt == "float32" and lname != "16x2048":
+                continue
+            out[f"{lname} D{D} W{W} w={wdt}"] = {"lens": lens, "T": 32768, "D": D, "W": W, "wdt": wdt}
+    return out
+
+
+def io_bytes(p, mode):
+    return {"fwd": 2, "bwd": 3}.get(mode, 0) * p["T"] * p["D"] * 2 or None
+
+
+def inputs(p, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    T, d, lens = p["T"], p["D"], p["lens"]
+    x = torch.randn(T, d, device=device, generator=g).to(torch.bfloat16)
+    w = (torch.randn(d, p["W"], device=device, generator=g) * 0.5).to(getattr(torch, p["wdt"]))
+    dy = torch.randn(T, d, device=device, generator=g).to(torch.bfloat16)
     cu = None
     if lens is not None:
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    return x, w, dy, cu
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return {"x": x, "w": w, "dy": dy, "cu": cu, "lens": lens}
 
 
-# ---------------------------------------------------------------------------------------------------- impls
-def ours(x, w, cu):
-    return conv1d.causal_conv1d(x, w, cu_seqlens=cu, activation="silu")
+# ---------------------------------------------------------------------------------------------------- providers
+def _call(fn, x):
+    return Autograd(fn, (x["x"], x["w"]), wrt=(0, 1), grad_outputs=x["dy"])
 
 
-def fla_fn():
+def ours(x, p):
+    cu = x["cu"]
+    return _call(lambda xx, w: conv1d.causal_conv1d(xx, w, cu_seqlens=cu, activation="silu"), x)
+
+
+def fla(x, p):
     from fla.modules.causal_conv1d import causal_conv1d as fla_conv
 
-    def fwd(x, w, cu):
-        y, _ = fla_conv(x[None], w, activation="silu", backend="triton",
-                        cu_seqlens=None if cu is None else cu.to(torch.int64))
-        return y[0]
-    return fwd
+    cu = None if x["cu"] is None else x["cu"].to(torch.int64)
+    return _call(lambda xx, w: fla_conv(xx[None], w, activation="silu", backend="triton", cu_seqlens=cu)[0][0], x)
 
 
-def torch_fn(lens_holder):
-    def fwd(x, w, cu):
-        lens = lens_holder[0]
-        bounds = [0] + torch.tensor(lens).cumsum(0).tolist() if lens is not None else [0, x.shape[0]]
-        wt = w.to(x.dtype).unsqueeze(1)
+def torch_conv(x, p):
+    lens = x["lens"]
+    bounds = [0] + torch.tensor(lens).cumsum(0).tolist() if lens is not None else [0, x["x"].shape[0]]
+
+    def fwd(xx, w):
+        wt = w.to(xx.dtype).unsqueeze(1)
         outs = []
-        for s, e in zip(bounds[:-1], bounds[1:]):
-            seg = x[s:e].t().unsqueeze(0)
-            outs.append(F.conv1d(F.pad(seg, (W - 1, 0)), wt, groups=D)[0].t())
+        for s, e in pairwise(bounds):
+            seg = xx[s:e].t().unsqueeze(0)
+            outs.append(F.conv1d(F.pad(seg, (w.shape[1] - 1, 0)), wt, groups=xx.shape[1])[0].t())
         return F.silu(torch.cat(outs, 0))
-    return fwd
+    return _call(fwd, x)
 
 
-def time_impl(fn, x, w, dy, cu, synced=True):
-    """(fwd_ms, bwd_ms, fwd_ms_queued, bwd_ms_queued); backward = autograd.grad of one forward (graph retained)."""
-    with torch.no_grad():
-        f = lambda: fn(x, w, cu)  # noqa: E731
-        fwd_ms = median_ms(f, rep=30) if synced else None
-        fwd_q = queued_ms(f)
-    xr = x.detach().requires_grad_(True)
-    wr = w.detach().requires_grad_(True)
-    y = fn(xr, wr, cu)
-    b = lambda: torch.autograd.grad(y, (xr, wr), dy, retain_graph=True)  # noqa: E731
-    bwd_ms = median_ms(b, rep=30) if synced else None
-    bwd_q = queued_ms(b)
-    return fwd_ms, bwd_ms, fwd_q, bwd_q
+def reference(x, p):
+    from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_shift
+
+    return causal_conv1d_ref_shift(x["x"], x["w"], x["dy"], x["cu"], "silu")
 
 
-def rel_rms(got, ref):
-    """||got - ref|| / ||ref|| in FP64, on the device (the tensors are GBs)."""
-    r = ref.to(torch.float64)
-    return float(torch.linalg.vector_norm(got.to(torch.float64) - r) / torch.linalg.vector_norm(r))
+def declare() -> Bench:
+    main_shape = f"16x2048 D{D} W{W} w=bfloat16"
+    dry = {"2 docs D24 W4 w=bfloat16": {"lens": [20, 17], "T": 37, "D": 24, "W": 4, "wdt": "bfloat16"}}
+    s = shapes()
+    return Bench(
+        name="conv1d", shapes=s, dry_shapes=dry, inputs=inputs,
+        providers=[
+            Provider("cake det", ours, config={"conv1d_variant": "det"}, det=True, ours=True),
+            Provider("cake fast", ours, config={"conv1d_variant": "fast"}, ours=True),
+            Provider("fla causal_conv1d", fla, requires=("fla",), on_cpu=False),
+            Provider("torch F.conv1d/doc", torch_conv),
+        ],
+        modes=("fwd", "bwd"), io_bytes=io_bytes, timers=("synced", "device", "queued"), rep=30,
+        reference=reference, result_names=("y", "dx", "dw"), accuracy={main_shape: s[main_shape]}, dry_accuracy=dry)
 
 
-def grads(fn, x, w, dy, cu):
-    xr = x.detach().requires_grad_(True)
-    wr = w.detach().requires_grad_(True)
-    y = fn(xr, wr, cu)
-    dx, dw = torch.autograd.grad(y, (xr, wr), dy)
-    return y.detach(), dx, dw
+# ---------------------------------------------------------------------------------------------------- tuning
+FWD_CANDIDATES = [
+    {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 128, "CHUNK": 256, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 128, "CHUNK": 64, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 4, "num_warps": 1}]
+BWD_CANDIDATES = [
+    {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 128, "CHUNK": 256, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 64, "CHUNK": 256, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 4, "num_warps": 1},
+    {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 4, "num_warps": 1}]
 
 
-FWD_CANDIDATES = [dict(BLOCK_D=256, CHUNK=128, ROWS=8, num_warps=1), dict(BLOCK_D=128, CHUNK=128, ROWS=8, num_warps=1),
-                  dict(BLOCK_D=64, CHUNK=128, ROWS=8, num_warps=1), dict(BLOCK_D=128, CHUNK=256, ROWS=8, num_warps=1),
-                  dict(BLOCK_D=128, CHUNK=64, ROWS=8, num_warps=1), dict(BLOCK_D=256, CHUNK=128, ROWS=4, num_warps=1)]
-BWD_CANDIDATES = [dict(BLOCK_D=256, CHUNK=128, ROWS=8, num_warps=1), dict(BLOCK_D=128, CHUNK=128, ROWS=8, num_warps=1),
-                  dict(BLOCK_D=64, CHUNK=128, ROWS=8, num_warps=1), dict(BLOCK_D=128, CHUNK=256, ROWS=8, num_warps=1),
-                  dict(BLOCK_D=64, CHUNK=256, ROWS=8, num_warps=1), dict(BLOCK_D=64, CHUNK=128, ROWS=4, num_warps=1),
-                  dict(BLOCK_D=128, CHUNK=128, ROWS=4, num_warps=1)]
+def sweep(write_config: bool):
+    """INTERNAL CONFIG TABLE (tuning only): time block configs of our det kernels on 16x2048 (bf16 weight) by
+    overriding `_impl/conv1d/ops._CONFIGS["sm_90a"]`, keep the fastest fwd and bwd for the rest of the run (and
+    in the JSON; $BENCH_OUT/picked.json), and with `write_config` rewrite the sm_90a "fwd" / "bwd" lines of that
+    table in ops.py. Device time, through the public entry point; each candidate compiles on its first call."""
+    import re
 
+    import miles_ext_kernels as mek
+    from miles_ext_kernels.cake._impl.conv1d import ops
 
-def run_sweep():
-    """Time block configs of our det kernels on 16x2048 (bf16 weight) and keep the fastest fwd and bwd for the
-    rest of the run (and in the JSON); candidates are compiled in parallel first."""
-    from miles_ext_kernels.cake._runtime import build
-
-    cfgs = ops._CONFIGS["sm_90a"]
-    bf = torch.bfloat16
-    routes = []
-    for has_cu in (True, False):
-        cu_t = torch.int32 if has_cu else None
-        for c in FWD_CANDIDATES:
-            routes.append(build.Route(ops.kernels.conv1d_fwd_kernel, (bf, bf, bf, cu_t, 4096, 64, 64, 64, 8, 4), (1, 1),
-                                      ops._fwd_meta(W, 1, has_cu, 8, dict(c, num_stages=1)), "f"))
-        for c in BWD_CANDIDATES:
-            routes.append(build.Route(ops.kernels.conv1d_bwd_kernel,
-                                      (bf, bf, bf, bf, torch.float32, cu_t, 4096, 64, 64, 64, 64, 64, 8, 4), (1, 1),
-                                      ops._bwd_meta(W, 1, has_cu, 8, dict(c, num_stages=1)), "b"))
-    t0 = time.time()
-    build._compile_all(routes, None)
-    print(f"sweep: compiled {len(routes)} candidates in {time.time() - t0:.0f} s", flush=True)
-    x, w, dy, cu = make([2048] * 16, torch.bfloat16)
-    T = x.shape[0]
-    shipped = {k: dict(v) for k, v in cfgs.items()}
+    p = {"lens": [2048] * 16, "T": 32768, "D": D, "W": W, "wdt": "bfloat16"}
+    x = inputs(p, "cuda")
+    shipped = {k: dict(v) for k, v in ops._CONFIGS["sm_90a"].items()}
     out, best = [], {}
+    mek.configure(conv1d_variant="det")
     for kind, cands in (("fwd", FWD_CANDIDATES), ("bwd", BWD_CANDIDATES)):
         for c in cands:
             ops._CONFIGS["sm_90a"] = dict(shipped, **{kind: dict(c, num_stages=1)})
-            _, _, f_ms, b_ms = time_impl(ours, x, w, dy, cu, synced=False)
-            ms = f_ms if kind == "fwd" else b_ms
-            nbytes = (2 if kind == "fwd" else 3) * T * D * 2
+            ms = device_ms(Timed(ours(x, p)).builder(kind), rep=30)
+            nbytes = io_bytes(p, kind)
             out.append(dict(kind=kind, **c, ms=ms, tbps=nbytes / ms / 1e9))
             print(out[-1], flush=True)
             if kind not in best or ms < best[kind][0]:
                 best[kind] = (ms, dict(c, num_stages=1))
-    ops._CONFIGS["sm_90a"] = dict(shipped, fwd=best["fwd"][1], bwd=best["bwd"][1])
-    print("picked", ops._CONFIGS["sm_90a"], flush=True)
-    out_dir = os.environ.get("BENCH_OUT")
-    if out_dir:
-        Path(out_dir, "picked.json").write_text(json.dumps(ops._CONFIGS["sm_90a"]))
-    del x, w, dy
+    mek.configure()
+    picked = dict(shipped, fwd=best["fwd"][1], bwd=best["bwd"][1])
+    ops._CONFIGS["sm_90a"] = picked
+    print("picked", picked, flush=True)
+    if os.environ.get("BENCH_OUT"):
+        Path(os.environ["BENCH_OUT"], "picked.json").write_text(json.dumps(picked))
+    if write_config:
+        path = Path(ops.__file__)
+        src = path.read_text()
+        for kind in ("fwd", "bwd"):
+            c = picked[kind]
+            line = (f'"{kind}": dict(BLOCK_D={c["BLOCK_D"]}, CHUNK={c["CHUNK"]}, ROWS={c["ROWS"]}, '
+                    f'num_warps={c["num_warps"]}, num_stages={c["num_stages"]}),')
+            src = re.sub(rf'"{kind}": dict\(BLOCK_D=\d+, CHUNK=\d+, ROWS=\d+, num_warps=\d+, num_stages=\d+\),',
+                         line, src, count=1)
+        path.write_text(src)
+        print("wrote", path, flush=True)
+    del x
     torch.cuda.empty_cache()
-    return out
+    return out, picked
 
 
-def write_config(cfg):
-    """Rewrite the sm_90a "fwd"/"bwd" lines of the config table in ops.py (the first two such lines)."""
-    import re
-
-    path = Path(ops.__file__)
-    src = path.read_text()
-    for kind in ("fwd", "bwd"):
-        c = cfg[kind]
-        line = (f'"{kind}": dict(BLOCK_D={c["BLOCK_D"]}, CHUNK={c["CHUNK"]}, ROWS={c["ROWS"]}, '
-                f'num_warps={c["num_warps"]}, num_stages={c["num_stages"]}),')
-        src = re.sub(rf'"{kind}": dict\(BLOCK_D=\d+, CHUNK=\d+, ROWS=\d+, num_warps=\d+, num_stages=\d+\),', line, src,
-                     count=1)
-    path.write_text(src)
-    print("wrote", path, flush=True)
-
-
-def add_budgets(errs, peer="fla causal_conv1d"):
-    """DESIGN.md budgets per tensor: min(peer error x 1.1, 2 x our error); `ok` says whether ours is within."""
-    for e in errs:
-        if not e["impl"].startswith("cake"):
-            continue
-        p = next((q for q in errs if q["impl"] == peer and q["shape"] == e["shape"]), None)
-        if p is None:
-            continue
-        for t in ("y", "dx", "dw"):
-            e[f"budget_{t}"] = min(1.1 * p[f"err_{t}"], 2.0 * e[f"err_{t}"])
-        e["ok"] = all(e[f"err_{t}"] <= e[f"budget_{t}"] for t in ("y", "dx", "dw"))
-    return errs
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="also time a few alternative block configs")
+def main(argv=None) -> int:
+    ap = parser(__doc__)
+    ap.add_argument("--no-fla", action="store_true", help="leave fla out")
+    ap.add_argument("--no-torch", action="store_true", help="leave the PyTorch per-document conv out")
+    ap.add_argument("--sweep", action="store_true", help="first time alternative block configs and keep the fastest")
     ap.add_argument("--prebuild", action="store_true", help="prebuild every route first (fills the cache)")
     ap.add_argument("--write-config", action="store_true",
                     help="with --sweep: write the picked sm_90a fwd/bwd configs into _impl/conv1d/ops.py")
-    args = ap.parse_args()
-    t_start = time.time()
-    if args.prebuild:
+    args = ap.parse_args(argv)
+    args.skip += "".join((",fla causal_conv1d" if args.no_fla else "", ",torch F.conv1d/doc" if args.no_torch else ""))
+    if args.prebuild and not args.dry_run:
         for wd in ("bfloat16", "float32"):
             print(cake.prebuild("conv1d", weight_dtype=wd), flush=True)
-    sweep = []
-    if args.sweep:
-        sweep = run_sweep()
-        if args.write_config:
-            write_config(ops._CONFIGS["sm_90a"])
-    rows, errs = [], []
-    lens_holder = [None]
-    impls = {"cake det": ours, "cake fast": ours}
-    variant = {"cake det": "det", "cake fast": "fast"}  # configured before each of our runs
-    if not args.no_fla:
-        try:
-            impls["fla causal_conv1d"] = fla_fn()
-        except Exception as e:  # noqa: BLE001
-            print(f"fla unavailable: {e!r}")
-    if not args.no_torch:
-        impls["torch F.conv1d/doc"] = torch_fn(lens_holder)
-    for wdt in (torch.bfloat16, torch.float32):
-        for lname, lens in layouts().items():
-            if wdt == torch.float32 and lname != "16x2048":
-                continue
-            lens_holder[0] = lens
-            x, w, dy, cu = make(lens, wdt)
-            T = x.shape[0]
-            fbytes, bbytes = 2 * T * D * 2, 3 * T * D * 2
-            shape = f"{lname} D{D} W{W} w={str(wdt)[6:]}"
-            for name, fn in impls.items():
-                mek.configure(conv1d_variant=variant.get(name, "det"))
-                try:
-                    f_ms, b_ms, fq, bq = time_impl(fn, x, w, dy, cu)
-                except Exception as e:  # noqa: BLE001
-                    print(f"{name} on {shape}: {e!r}")
-                    continue
-                # fwd_ms/bwd_ms: queued (kernel throughput, host overhead hidden as in training);
-                # *_synced: `_common.median_ms`, one sync per call (includes the host launch time)
-                rows.append(dict(shape=shape, impl=name, fwd_ms=fq, bwd_ms=bq, fwd_tbps=fbytes / fq / 1e9,
-                                 bwd_tbps=bbytes / bq / 1e9, fwd_ms_synced=f_ms, bwd_ms_synced=b_ms,
-                                 fwd_tbps_synced=fbytes / f_ms / 1e9, bwd_tbps_synced=bbytes / b_ms / 1e9))
-                print(rows[-1], flush=True)
-            mek.configure()
-            if lname == "16x2048":  # accuracy vs FP64 (exact SiLU') and bit repeatability, same inputs
-                ref = causal_conv1d_ref_shift(x, w, dy, cu, "silu")
-                for name, fn in impls.items():
-                    mek.configure(conv1d_variant=variant.get(name, "det"))
-                    try:
-                        a = grads(fn, x, w, dy, cu)
-                        b = grads(fn, x, w, dy, cu)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"{name} accuracy: {e!r}")
-                        continue
-                    errs.append(dict(shape=shape, impl=name, err_y=rel_rms(a[0], ref[0]),
-                                     err_dx=rel_rms(a[1], ref[1]), err_dw=rel_rms(a[2], ref[2]),
-                                     bits_repeat=all(torch.equal(p, q) for p, q in zip(a, b))))
-                    print(errs[-1], flush=True)
-                del ref
-                mek.configure()
-            del x, w, dy
-            torch.cuda.empty_cache()
-    print()
-    print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tbps", "bwd_tbps", "fwd_ms_synced", "bwd_ms_synced"])
-    add_budgets(errs)
-    print()
-    print_table(errs, ["shape", "impl", "err_y", "err_dx", "err_dw", "bits_repeat", "budget_y", "budget_dx",
-                       "budget_dw", "ok"])
-    if sweep:
-        print()
-        print_table(sweep, ["kind", "BLOCK_D", "CHUNK", "ROWS", "num_warps", "ms", "tbps"])
-    path = write_results("conv1d", rows, extra={"accuracy": errs, "sweep": sweep, "copy_tbps": COPY_TBPS,
-                                                "configs": ops._CONFIGS["sm_90a"]})
-    print(f"wrote {path} ({time.time() - t_start:.0f} s)")
+    extra = {"copy_tbps": COPY_TBPS}
+    if args.sweep and not args.dry_run:
+        extra["sweep"], extra["configs"] = sweep(args.write_config)
+        print_table(extra["sweep"], ["kind", "BLOCK_D", "CHUNK", "ROWS", "num_warps", "ms", "tbps"])
+    return run(declare(), args, extra=extra)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,228 +1,201 @@
 """Benchmark of rmsnorm (zero-centred) and gated_rmsnorm against their peers, in the same run, on the GPU.
 
-    python bench/norms.py [--quick] [--no-sweep]
+    python bench/norms.py [--quick] [--no-sweep] [--skip torch.compile] [--dry-run] [harness options: --help]
 
 Peers: the PyTorch eager reference, torch.compile of it, Liger's LigerRMSNormFunction (offset 1.0, casting mode
 "gemma" = everything in fp32, as Qwen3NextRMSNorm) and fla's rms_norm_gated (FusedRMSNormGated's function, swish).
 Shapes: Qwen3-Next (H 2048; 32 value heads x 128) and Qwen3.5-27B (H 5120); ours at 4k-64k tokens, peers at 32k.
-Bytes = each input read once + each output written once (weights included); TB/s = bytes / median time.
-Weights fp32. Accuracy: relative RMS vs an FP64 reference (computed on the GPU) at 8k tokens, for every impl.
-Writes bench/results/norms.json (rows + `errors` + the config `sweep`).
+Bytes = each input read once + each output written once (weights included); TB/s = bytes / time. Modes fwd and
+bwd (autograd.grad on a kept graph), each in device time (`device_ms`), queued (`queued_ms`) and synced
+(`median_ms`). Weights fp32. Accuracy: relative RMS vs an FP64 reference (computed on the GPU) at 8k tokens, for
+every impl but torch.compile. Writes bench/results/norms.json (rows of both ops, `accuracy`, the config `sweep`).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
+from _common import COPY_TBPS, Autograd, Bench, Provider, device_ms, parser, print_table, run
 
-from _common import COPY_TBPS, device_ms, median_ms, print_table, queued_ms, write_results  # noqa: E402
-
-import miles_ext_kernels as mek  # noqa: E402
-from miles_ext_kernels import cake  # noqa: E402
-from miles_ext_kernels.cake._impl.gated_rmsnorm import ops as gops  # noqa: E402
-from miles_ext_kernels.cake._impl.gated_rmsnorm import reference as gref  # noqa: E402
-from miles_ext_kernels.cake._impl.rmsnorm import ops as rops  # noqa: E402
-from miles_ext_kernels.cake._impl.rmsnorm import reference as rref  # noqa: E402
+from miles_ext_kernels import cake
 
 BF = torch.bfloat16
 EPS = 1e-6
-T0 = time.time()
+NH, HD = 32, 128  # the gated norm's value heads x head dim
+TOKENS = (4096, 16384, 32768, 65536)
+PEER_TOKENS = 32768
 
 
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+def peers_here(label, p):
+    return p["T"] == PEER_TOKENS or p.get("peers", False)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-SKIP: set = set()
+def _gen(device, seed=0):
+    return torch.Generator(device=device).manual_seed(seed)
 
 
-def peers_rms():
-    out = {"eager": rref.zero_centered_rmsnorm_eager,
-           "torch.compile": torch.compile(rref.zero_centered_rmsnorm_eager, dynamic=False)}
-    try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-        out["liger"] = lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 1.0, "gemma", False, None)
-    except Exception as e:  # noqa: BLE001
-        log("liger unavailable:", repr(e)[:200])
-    return {k: v for k, v in out.items() if k not in SKIP}
+# ---------------------------------------------------------------------------------------------------- rmsnorm
+def rms_bytes(p, mode):
+    T, H = p["T"], p["H"]
+    return {"fwd": 2 * T * H * 2 + H * 4, "bwd": 3 * T * H * 2 + 2 * H * 4}.get(mode)
 
 
-def peers_gated():
-    out = {"eager": gref.rmsnorm_silu_gate_eager,
-           "torch.compile": torch.compile(gref.rmsnorm_silu_gate_eager, dynamic=False)}
-    try:
-        from fla.modules.norm.fused_norm_gate import rms_norm_gated
-
-        out["fla"] = lambda x, z, w, eps: rms_norm_gated(x, z, w, None, "swish", eps=eps)
-    except Exception as e:  # noqa: BLE001
-        log("fla unavailable:", repr(e)[:200])
-    return {k: v for k, v in out.items() if k not in SKIP}
+def rms_inputs(p, device):
+    g = _gen(device)
+    T, H = p["T"], p["H"]
+    return {"x": torch.randn(T, H, device=device, generator=g).to(BF),
+            "w": 0.1 * torch.randn(H, device=device, generator=g),
+            "dy": torch.randn(T, H, device=device, generator=g).to(BF)}
 
 
-def gpu_rel_rms(got, ref):
-    g = got.detach().double()
-    r = ref.detach().double()
-    return (torch.linalg.vector_norm(g - r) / torch.linalg.vector_norm(r)).item()
+def _rms(fn):
+    return lambda x, p: Autograd(fn, (x["x"], x["w"]), wrt=(0, 1), grad_outputs=x["dy"])
 
 
-# ---------------------------------------------------------------------------------------------------------------
-def time_fwd_bwd(fn, args, grad_idx, dy):
-    """{timer: (fwd_ms, bwd_ms)} for the three timers (device, queued, synced): forward with autograd on;
-    backward = autograd.grad of that output (graph retained)."""
-    leaves = [a.detach().requires_grad_(i in grad_idx) if torch.is_tensor(a) else a for i, a in enumerate(args)]
-    y = fn(*leaves)
-    inputs = [leaves[i] for i in grad_idx]
-    fwd = lambda: fn(*leaves)  # noqa: E731
-    bwd = lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True)  # noqa: E731
-    return {name: (timer(fwd), timer(bwd))
-            for name, timer in (("device", device_ms), ("queued", queued_ms), ("synced", median_ms))}
+def _eager_rms():
+    from miles_ext_kernels.cake._impl.rmsnorm.reference import zero_centered_rmsnorm_eager
+
+    return zero_centered_rmsnorm_eager
 
 
-TIMER_NOTE = ("Times: GPU time with the host's launch work hidden (`device_ms`: each call queued behind a 2 ms GPU "
-              "spin, as in a training step whose host runs ahead); the JSON also has `*_queued` (calls back to back, "
-              "host-bound when a launch path is slower than its kernels) and `*_synced` (one sync per call).")
+def _compiled(make_fn):
+    compiled = {}
+
+    def get():
+        if not compiled:
+            compiled["fn"] = torch.compile(make_fn(), dynamic=False)
+        return compiled["fn"]
+    return get
 
 
-def row(op, shape, impl, t, fb, bb):
-    out = {"op": op, "shape": shape, "impl": impl}
-    for name, (f_ms, b_ms) in t.items():
-        sfx = "" if name == "device" else f"_{name}"
-        out.update({f"fwd_ms{sfx}": f_ms, f"bwd_ms{sfx}": b_ms,
-                    f"fwd_tbps{sfx}": fb / f_ms / 1e9, f"bwd_tbps{sfx}": bb / b_ms / 1e9})
-    return out
+def rms_reference(x, p):
+    from miles_ext_kernels.cake._impl.rmsnorm.reference import grads_ref
+
+    return grads_ref(x["x"], x["w"], x["dy"], EPS)
 
 
-def rms_bytes(T, H):
-    return 2 * T * H * 2 + H * 4, 3 * T * H * 2 + 2 * H * 4
+def liger_rms(x, p):
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    return _rms(lambda xx, w: LigerRMSNormFunction.apply(xx, w, EPS, 1.0, "gemma", False, None))(x, p)
 
 
-def gated_bytes(N, D):
-    return 3 * N * D * 2 + D * 4, 5 * N * D * 2 + 2 * D * 4
+def rmsnorm_bench(tokens) -> Bench:
+    compiled = _compiled(_eager_rms)
+    return Bench(
+        name="rmsnorm",
+        shapes={f"rmsnorm H{H} T{T // 1024}k": {"T": T, "H": H} for H in (2048, 5120) for T in tokens},
+        dry_shapes={"rmsnorm H256 T37": {"T": 37, "H": 256, "peers": True}},
+        inputs=rms_inputs,
+        providers=[
+            Provider(f"cake {v}", _rms(lambda xx, w: cake.rmsnorm.zero_centered_rmsnorm(xx, w, EPS)),
+                     config={"rmsnorm_variant": v}, det=v == "det", ours=True) for v in ("det", "fast")
+        ] + [
+            Provider("eager", lambda x, p: _rms(lambda xx, w: _eager_rms()(xx, w, EPS))(x, p), when=peers_here),
+            Provider("torch.compile", lambda x, p: _rms(lambda xx, w: compiled()(xx, w, EPS))(x, p),
+                     when=peers_here, on_cpu=False, accuracy=False),
+            Provider("liger", liger_rms, requires=("liger_kernel",), on_cpu=False, when=peers_here),
+        ],
+        io_bytes=rms_bytes, timers=("device", "queued", "synced"),
+        reference=rms_reference, result_names=("y", "dx", "dw"),
+        accuracy={f"rmsnorm H{H} T8k": {"T": 8192, "H": H, "peers": True} for H in (2048, 5120)},
+        dry_accuracy={"rmsnorm H320 T5": {"T": 5, "H": 320, "peers": True}},
+    )
 
 
-def bench_rows(quick):
-    rows, errors = [], []
-    rms_peers, gated_peers = peers_rms(), peers_gated()
-    tokens = (32768,) if quick else (4096, 16384, 32768, 65536)
-    for H in (2048, 5120):
-        for T in tokens:
-            x = torch.randn(T, H, device="cuda").to(BF)
-            w = (0.1 * torch.randn(H, device="cuda"))
-            dy = torch.randn(T, H, device="cuda").to(BF)
-            fb, bb = rms_bytes(T, H)
-            impls = [(f"cake {v}", v, lambda x, w, eps: cake.rmsnorm.zero_centered_rmsnorm(x, w, eps))
-                     for v in ("det", "fast")]
-            if T == 32768:
-                impls += [(k, None, f) for k, f in rms_peers.items()]
-            for name, variant, fn in impls:
-                if variant:
-                    mek.configure(rmsnorm_variant=variant)
-                try:
-                    t = time_fwd_bwd(fn, (x, w, EPS), (0, 1), dy)
-                except Exception as e:  # noqa: BLE001
-                    log(f"rmsnorm {name} failed:", repr(e)[:300])
-                    continue
-                rows.append(row("rmsnorm", f"rmsnorm H{H} T{T // 1024}k", name, t, fb, bb))
-                log(rows[-1])
-            mek.configure()
-        # accuracy at 8k tokens, every impl, vs FP64 on the GPU
-        T = 8192
-        x = torch.randn(T, H, device="cuda").to(BF)
-        w = 0.1 * torch.randn(H, device="cuda")
-        dy = torch.randn(T, H, device="cuda").to(BF)
-        ref = rref.grads_ref(x, w, dy, EPS)
-        for name, variant, fn in [("cake det", "det", None), ("cake fast", "fast", None)] + \
-                [(k, None, f) for k, f in rms_peers.items() if k != "torch.compile"]:
-            mek.configure(rmsnorm_variant=variant or "det")
-            fn = fn or (lambda x, w, eps: cake.rmsnorm.zero_centered_rmsnorm(x, w, eps))
-            try:
-                xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-                y = fn(xr, wr, EPS)
-                gx, gw = torch.autograd.grad(y, (xr, wr), dy)
-                errors.append({"op": "rmsnorm", "shape": f"H{H} T8k", "impl": name,
-                               **{k: gpu_rel_rms(g, r) for k, g, r in zip(("y", "dx", "dw"), (y, gx, gw), ref)}})
-                log(errors[-1])
-            except Exception as e:  # noqa: BLE001
-                log(f"rmsnorm accuracy {name} failed:", repr(e)[:300])
-        mek.configure()
-        del ref
-    NH, D = 32, 128
-    for T in tokens:
-        N = T * NH
-        x = torch.randn(T, NH, D, device="cuda").to(BF)
-        z = torch.randn(T, NH, D, device="cuda").to(BF)
-        w = 1 + 0.1 * torch.randn(D, device="cuda")
-        dy = torch.randn(T, NH, D, device="cuda").to(BF)
-        fb, bb = gated_bytes(N, D)
-        impls = [(f"cake {v}", v, lambda x, z, w, eps: cake.gated_rmsnorm.rmsnorm_silu_gate(x, z, w, eps))
-                 for v in ("det", "fast")]
-        if T == 32768:
-            impls += [(k, None, f) for k, f in gated_peers.items()]
-        for name, variant, fn in impls:
-            if variant:
-                mek.configure(gated_rmsnorm_variant=variant)
-            try:
-                if name == "fla":
-                    args, dyy = (x.view(N, D), z.view(N, D), w, EPS), dy.view(N, D)
-                else:
-                    args, dyy = (x, z, w, EPS), dy
-                t = time_fwd_bwd(fn, args, (0, 1, 2), dyy)
-            except Exception as e:  # noqa: BLE001
-                log(f"gated {name} failed:", repr(e)[:300])
-                continue
-            rows.append(row("gated_rmsnorm", f"gated {NH}x{D} T{T // 1024}k", name, t, fb, bb))
-            log(rows[-1])
-        mek.configure()
-    T = 8192
-    N = T * NH
-    x = torch.randn(N, D, device="cuda").to(BF)
-    z = torch.randn(N, D, device="cuda").to(BF)
-    w = 1 + 0.1 * torch.randn(D, device="cuda")
-    dy = torch.randn(N, D, device="cuda").to(BF)
-    ref = gref.grads_ref(x, z, w, dy, EPS)
-    for name, variant, fn in [("cake det", "det", None), ("cake fast", "fast", None)] + \
-            [(k, None, f) for k, f in gated_peers.items() if k != "torch.compile"]:
-        mek.configure(gated_rmsnorm_variant=variant or "det")
-        fn = fn or (lambda x, z, w, eps: cake.gated_rmsnorm.rmsnorm_silu_gate(x, z, w, eps))
-        try:
-            xr, zr, wr = (t.clone().requires_grad_(True) for t in (x, z, w))
-            y = fn(xr, zr, wr, EPS)
-            grads = torch.autograd.grad(y, (xr, zr, wr), dy)
-            errors.append({"op": "gated_rmsnorm", "shape": f"{NH}x{D} T8k", "impl": name,
-                           **{k: gpu_rel_rms(g, r) for k, g, r in zip(("y", "dx", "dz", "dw"), (y, *grads), ref)}})
-            log(errors[-1])
-        except Exception as e:  # noqa: BLE001
-            log(f"gated accuracy {name} failed:", repr(e)[:300])
-    mek.configure()
-    return rows, errors
+# ---------------------------------------------------------------------------------------------------- gated_rmsnorm
+def gated_bytes(p, mode):
+    N, D = p["T"] * p["NH"], p["D"]
+    return {"fwd": 3 * N * D * 2 + D * 4, "bwd": 5 * N * D * 2 + 2 * D * 4}.get(mode)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+def gated_inputs(p, device):
+    g = _gen(device)
+    s = (p["T"], p["NH"], p["D"])
+    return {"x": torch.randn(*s, device=device, generator=g).to(BF),
+            "z": torch.randn(*s, device=device, generator=g).to(BF),
+            "w": 1 + 0.1 * torch.randn(p["D"], device=device, generator=g),
+            "dy": torch.randn(*s, device=device, generator=g).to(BF)}
+
+
+def _gated(fn):
+    return lambda x, p: Autograd(fn, (x["x"], x["z"], x["w"]), wrt=(0, 1, 2), grad_outputs=x["dy"])
+
+
+def _eager_gated():
+    from miles_ext_kernels.cake._impl.gated_rmsnorm.reference import rmsnorm_silu_gate_eager
+
+    return rmsnorm_silu_gate_eager
+
+
+def gated_reference(x, p):
+    from miles_ext_kernels.cake._impl.gated_rmsnorm.reference import grads_ref
+
+    return grads_ref(x["x"], x["z"], x["w"], x["dy"], EPS)
+
+
+def fla_gated(x, p):
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    d = p["D"]  # fla takes rows of one head: [T * NH, D]
+    return _gated(lambda xx, z, w: rms_norm_gated(xx.view(-1, d), z.view(-1, d), w, None, "swish",
+                                                  eps=EPS).view(xx.shape))(x, p)
+
+
+def gated_bench(tokens) -> Bench:
+    compiled = _compiled(_eager_gated)
+    return Bench(
+        name="gated_rmsnorm",
+        shapes={f"gated {NH}x{HD} T{T // 1024}k": {"T": T, "NH": NH, "D": HD} for T in tokens},
+        dry_shapes={"gated 4x128 T9": {"T": 9, "NH": 4, "D": 128, "peers": True}},
+        inputs=gated_inputs,
+        providers=[
+            Provider(f"cake {v}", _gated(lambda xx, z, w: cake.gated_rmsnorm.rmsnorm_silu_gate(xx, z, w, EPS)),
+                     config={"gated_rmsnorm_variant": v}, det=v == "det", ours=True) for v in ("det", "fast")
+        ] + [
+            Provider("eager", lambda x, p: _gated(lambda xx, z, w: _eager_gated()(xx, z, w, EPS))(x, p),
+                     when=peers_here),
+            Provider("torch.compile", lambda x, p: _gated(lambda xx, z, w: compiled()(xx, z, w, EPS))(x, p),
+                     when=peers_here, on_cpu=False, accuracy=False),
+            Provider("fla", fla_gated, requires=("fla",), on_cpu=False, when=peers_here),
+        ],
+        io_bytes=gated_bytes, timers=("device", "queued", "synced"),
+        reference=gated_reference, result_names=("y", "dx", "dz", "dw"),
+        accuracy={f"gated {NH}x{HD} T8k": {"T": 8192, "NH": NH, "D": HD, "peers": True}},
+        dry_accuracy={"gated 2x64 T5": {"T": 5, "NH": 2, "D": 64, "peers": True}},
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- tuning
 def sweep(deadline):
-    """Alternative fixed configs of our kernels at 32k tokens (launchers called directly), to fill the table.
-    Backward first (it matters most); `programs` is matched to how many CTAs fit on an SM. Device timing."""
+    """INTERNAL LAUNCHERS (tuning only): alternative fixed configs of our kernels at 32k tokens, the launchers in
+    `_impl/*/ops` called directly with `cfg` / `programs` / `atomic` overrides (their signatures move with the
+    implementation), to fill the table. Backward first (it matters most); `programs` is matched to how many CTAs
+    fit on an SM. Device timing."""
+    from miles_ext_kernels.cake._impl.gated_rmsnorm import ops as gops
+    from miles_ext_kernels.cake._impl.rmsnorm import ops as rops
+
     out = []
     T = 32768
-    N, D = T * 32, 128
+    N, D = T * NH, HD
+
+    def log(*a):
+        print(*a, flush=True)
 
     def rec(kind, shape, cfg, P, ms, nbytes):
         out.append({"kernel": kind, "shape": shape, "cfg": list(cfg), "programs": P or "table", "ms": ms,
                     "tbps": nbytes / ms / 1e9})
         log(out[-1])
 
-    data = {}
-    for H in (2048, 5120):
-        data[H] = (torch.randn(T, H, device="cuda").to(BF), 0.1 * torch.randn(H, device="cuda"),
-                   torch.randn(T, H, device="cuda").to(BF))
+    data = {H: (torch.randn(T, H, device="cuda").to(BF), 0.1 * torch.randn(H, device="cuda"),
+                torch.randn(T, H, device="cuda").to(BF)) for H in (2048, 5120)}
     gx, gz, gdy = (torch.randn(N, D, device="cuda").to(BF) for _ in range(3))
     gw = 1 + 0.1 * torch.randn(D, device="cuda")
     # (kind, width, cfg or None = the table's, programs or None = the table's, atomic weight gradient)
@@ -240,55 +213,44 @@ def sweep(deadline):
         try:
             if kind.startswith("rmsnorm"):
                 x, w, dy = data[width]
-                fb, bb = rms_bytes(T, width)
+                p = {"T": T, "H": width}
                 if kind == "rmsnorm.fwd":
-                    rec(name, f"H{width}", cfg or rops.fwd_config(width, "large"), P,
-                        device_ms(lambda: rops.rmsnorm_fwd(x, w, EPS, cfg=cfg)), fb)
+                    ms = device_ms(partial(rops.rmsnorm_fwd, x, w, EPS, cfg=cfg))
+                    rec(name, f"H{width}", cfg or rops.fwd_config(width, "large"), P, ms, rms_bytes(p, "fwd"))
                 else:
-                    rec(name, f"H{width}", cfg or rops.bwd_config(width, "large"), P,
-                        device_ms(lambda: rops.rmsnorm_bwd(dy, x, w, EPS, True, cfg=cfg, programs=P, atomic=atomic)),
-                        bb)
+                    ms = device_ms(partial(rops.rmsnorm_bwd, dy, x, w, EPS, True, cfg=cfg, programs=P, atomic=atomic))
+                    rec(name, f"H{width}", cfg or rops.bwd_config(width, "large"), P, ms, rms_bytes(p, "bwd"))
             else:
-                fb, bb = gated_bytes(N, D)
+                p = {"T": T, "NH": NH, "D": D}
                 if kind == "gated.fwd":
-                    rec(name, "32x128", cfg or gops.fwd_config(D, "large"), P,
-                        device_ms(lambda: gops.gated_fwd(gx, gz, gw, EPS, cfg=cfg)), fb)
+                    ms = device_ms(partial(gops.gated_fwd, gx, gz, gw, EPS, cfg=cfg))
+                    rec(name, f"{NH}x{D}", cfg or gops.fwd_config(D, "large"), P, ms, gated_bytes(p, "fwd"))
                 else:
-                    rec(name, "32x128", cfg or gops.bwd_config(D, "large"), P,
-                        device_ms(lambda: gops.gated_bwd(gdy, gx, gz, gw, EPS, True, cfg=cfg, programs=P,
-                                                         atomic=atomic)), bb)
-        except Exception as e:  # noqa: BLE001
+                    ms = device_ms(partial(gops.gated_bwd, gdy, gx, gz, gw, EPS, True, cfg=cfg, programs=P,
+                                           atomic=atomic))
+                    rec(name, f"{NH}x{D}", cfg or gops.bwd_config(D, "large"), P, ms, gated_bytes(p, "bwd"))
+        except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is logged
             log(f"sweep {kind} {cfg} failed:", repr(e)[:300])
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    ap = parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="32k tokens only")
     ap.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
-    ap.add_argument("--sweep-seconds", type=float, default=float(os.environ.get("NORMS_SWEEP_S", 40)))
-    ap.add_argument("--skip", default="", help="comma-separated peers to leave out (e.g. torch.compile)")
-    ap.add_argument("--name", default="norms", help="results file stem (bench/results/<name>.json)")
-    ns = ap.parse_args()
-    SKIP.update(p for p in ns.skip.split(",") if p)
-    torch.manual_seed(0)
-    for h in (2048, 5120):
-        log(cake.prebuild("rmsnorm", hidden_size=h))
-    log(cake.prebuild("gated_rmsnorm", head_dim=128))
-    rows, errors = bench_rows(ns.quick)
-    print()
-    print_table(rows, ["shape", "impl", "fwd_ms", "bwd_ms", "fwd_tbps", "bwd_tbps", "fwd_tbps_queued",
-                       "bwd_tbps_queued", "fwd_tbps_synced", "bwd_tbps_synced"])
-    print()
-    print_table(errors, ["op", "shape", "impl", "y", "dx", "dz", "dw"])
-    sw = [] if ns.no_sweep else sweep(time.time() + ns.sweep_seconds)
+    ap.add_argument("--sweep-seconds", type=float, default=float(os.environ.get("NORMS_SWEEP_S", "40")))
+    args = ap.parse_args(argv)
+    args.name = args.name or "norms"
+    tokens = (PEER_TOKENS,) if args.quick else TOKENS
+    if not args.dry_run:
+        for h in (2048, 5120):
+            print(cake.prebuild("rmsnorm", hidden_size=h), flush=True)
+        print(cake.prebuild("gated_rmsnorm", head_dim=HD), flush=True)
+    sw = [] if args.no_sweep or args.dry_run else sweep(time.time() + args.sweep_seconds)
     if sw:
-        print()
         print_table(sw, ["kernel", "shape", "cfg", "programs", "ms", "tbps"])
-    path = write_results(ns.name, rows, {"errors": errors, "sweep": sw, "copy_tbps": COPY_TBPS,
-                                         "timer_note": TIMER_NOTE})
-    log("wrote", path)
+    return run([rmsnorm_bench(tokens), gated_bench(tokens)], args, extra={"sweep": sw, "copy_tbps": COPY_TBPS})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
