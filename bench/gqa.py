@@ -186,7 +186,7 @@ def tune(args):
                 cfg["dq"] = dq_c[0]
             try:
                 out, lse = ops.gqa_forward(q, k, v, cu, cu, SCALE, cfg)
-                dq, dk, dv = ops.gqa_backward(do, q, k, v, out, lse, cu, cu, SCALE, "fast", cfg, False)
+                dq, dk, dv = ops.gqa_backward(do, q, k, v, out, lse, cu, cu, SCALE, "fast", cfg)
                 r = {"part": name, "cfg": str(cand), "err_out": rel_rms(out, ro), "err_dq": rel_rms(dq, rdq),
                      "err_dk": rel_rms(dk, rdk), "err_dv": rel_rms(dv, rdv)}
                 for shape in ("16x2048 Hq16/Hkv2", "12 irregular docs Hq24/Hkv4"):
@@ -196,10 +196,8 @@ def tune(args):
                         r[shape] = median_ms(partial(ops.gqa_forward, qq, kk, vv, cc, cc, SCALE, cfg))
                     else:
                         oo, ll = ops.gqa_forward(qq, kk, vv, cc, cc, SCALE)
-                        part = partial(ops.gqa_backward, dd, qq, kk, vv, oo, ll, cc, cc, SCALE, "fast", cfg, False)
+                        part = partial(ops.gqa_backward, dd, qq, kk, vv, oo, ll, cc, cc, SCALE, "fast", cfg)
                         r[shape] = median_ms(partial(part, parts=(name,), max_seqlen_k=max(lens)))
-                        if name == "dq":
-                            r["delta " + shape] = median_ms(partial(part, parts=("delta",)))
                     del qq, kk, vv, dd, cc
             except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is recorded
                 r = {"part": name, "cfg": str(cand), "error": repr(e)[:200]}
