@@ -60,6 +60,15 @@ def _rnd(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _chunk_of(table, se, p):
+    """(sequence n, or -1 for an unused slot; chunk index; the document's bos, eos) of chunk slot p."""
+    n = tl.load(table + 2 * p)
+    ic = tl.load(table + 2 * p + 1).to(tl.int64)
+    n_safe = tl.maximum(n, 0)
+    return n, ic, tl.load(se + 2 * n_safe).to(tl.int64), tl.load(se + 2 * n_safe + 1).to(tl.int64)
+
+
+@triton.jit
 def _chunk_gc(gc, rows, eos, hv, HV):
     """G of a chunk's rows, rows past the document's end reading its last row's: G only falls along a document, so no
     exp(G_i - G_j) with a padding row i has a positive argument (a padding G of 0 overflowed it once G_j < -88.7,
@@ -148,12 +157,9 @@ def fwd_prep_kernel(k, g, beta, se, table, gc, A, H, HV, K: tl.constexpr, BT: tl
     """Per chunk: gc = in-chunk cumsum of g; A = (I + L)^-1, in 16 x 16 blocks."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
-    n = tl.load(table + 2 * p)
+    n, ic, bos, eos = _chunk_of(table, se, p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     t0 = bos + ic * BT
     r0 = t0 + tl.arange(0, 16)
@@ -216,12 +222,9 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V:
     """w = A (beta exp(G) k), u = A (beta v) per chunk."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
-    n = tl.load(table + 2 * p)
+    n, ic, bos, eos = _chunk_of(table, se, p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     DT = k.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -292,12 +295,9 @@ def fwd_o_kernel(q, k, vn, gc, h, se, table, o, scale, H, HV, K: tl.constexpr, V
     """o = scale (exp(G) q) h + scale tril(q k^T * D) dlt per chunk."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
-    n = tl.load(table + 2 * p)
+    n, ic, bos, eos = _chunk_of(table, se, p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -326,12 +326,9 @@ def bwd_dvl_kernel(q, k, do, gc, se, table, dvl, scale, H, HV, K: tl.constexpr, 
     """The in-chunk part of d(dlt): scale tril(q k^T * D)^T do (computed transposed, from k q^T)."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
-    n = tl.load(table + 2 * p)
+    n, ic, bos, eos = _chunk_of(table, se, p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -414,12 +411,9 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
     hv = tl.program_id(1)
     p = pid // (K // BK)
     ik = pid % (K // BK)
-    n = tl.load(table + 2 * p)
+    n, ic, bos, eos = _chunk_of(table, se, p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -489,12 +483,9 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, se, table, dk, dko, dgp, dv, dbeta,
     A^T dw terms last (measured faster than the plain order: 1.34 vs 1.52 ms at 16 x 2048 on the H200)."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
-    n = tl.load(table + 2 * p)
+    n, ic, bos, eos = _chunk_of(table, se, p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
     hk = hv // (HV // H)
     DT = k.dtype.element_ty
     o_t = tl.arange(0, BT)

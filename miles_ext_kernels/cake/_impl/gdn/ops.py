@@ -152,6 +152,12 @@ def _c(x: torch.Tensor, name: str) -> torch.Tensor:
     return operand(x, OP, name, contiguous=True)
 
 
+def _operands(q, k, v) -> tuple:
+    """(config table, (B, T, H, K, HV, V), q, k, v as the kernels read them) of a forward or backward call."""
+    B, T, H, K = q.shape
+    return configs.CONFIGS[arch_of(q, "q")], (B, T, H, K, v.shape[2], v.shape[3]), _c(q, "q"), _c(k, "k"), _c(v, "v")
+
+
 def _ws(role: str, shape, dtype, device) -> torch.Tensor:
     numel = math.prod(shape)
     size = numel * dtype.itemsize
@@ -206,12 +212,8 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, ht, then what the backward needs: qn, kk, gc, A, w, h, vn, se, table). Both variants run these kernels.
     Operands already checked."""
-    tab = configs.CONFIGS[arch_of(q, "q")]
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    device, dt = q.device, q.dtype
-    Tt = B * T
-    q, k, v = _c(q, "q"), _c(k, "k"), _c(v, "v")
+    tab, (B, T, H, K, HV, V), q, k, v = _operands(q, k, v)
+    device, dt, Tt = q.device, q.dtype, B * T
     # the L2 norm first: the GPU runs it while the host prepares the chunk table and the next launches (launched
     # after the table, it waited on that host work: a 0.09 ms gap in a synced call's timeline)
     if use_l2:
@@ -254,14 +256,9 @@ def gdn_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: tor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, dbeta, dh0; dh0 empty without an initial state). `do` / `dht` None: no gradient reached o /
     the final state."""
-    tab = configs.CONFIGS[arch_of(q, "q")]
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    device, dt = q.device, q.dtype
-    Tt = B * T
-    N = se.shape[0]
-    P = table.shape[0]
-    q, k, v = _c(q, "q"), _c(k, "k"), _c(v, "v")
+    tab, (B, T, H, K, HV, V), q, k, v = _operands(q, k, v)
+    device, dt, Tt = q.device, q.dtype, B * T
+    N, P = se.shape[0], table.shape[0]
     if not use_l2:
         qn, kk = q, k
     bf = _c(beta.to(torch.float32), "beta")
