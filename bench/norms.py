@@ -26,8 +26,10 @@ from _common import COPY_TBPS, device_ms, median_ms, print_table, queued_ms, wri
 
 import miles_ext_kernels as mek  # noqa: E402
 from miles_ext_kernels import cake  # noqa: E402
+from miles_ext_kernels.cake._impl.gated_rmsnorm import configs as gconf  # noqa: E402
 from miles_ext_kernels.cake._impl.gated_rmsnorm import ops as gops  # noqa: E402
 from miles_ext_kernels.cake._impl.gated_rmsnorm import reference as gref  # noqa: E402
+from miles_ext_kernels.cake._impl.rmsnorm import configs as rconf  # noqa: E402
 from miles_ext_kernels.cake._impl.rmsnorm import ops as rops  # noqa: E402
 from miles_ext_kernels.cake._impl.rmsnorm import reference as rref  # noqa: E402
 
@@ -225,38 +227,33 @@ def sweep(deadline):
                    torch.randn(T, H, device="cuda").to(BF))
     gx, gz, gdy = (torch.randn(N, D, device="cuda").to(BF) for _ in range(3))
     gw = 1 + 0.1 * torch.randn(D, device="cuda")
-    # (kind, width, cfg or None = the table's, programs or None = the table's, atomic weight gradient)
-    plan = [("rmsnorm.bwd", 2048, None, None, False), ("rmsnorm.bwd", 2048, None, None, True),
-            ("rmsnorm.bwd", 2048, None, 396, False), ("rmsnorm.bwd", 5120, None, None, False),
-            ("rmsnorm.bwd", 5120, None, None, True), ("gated.bwd", D, None, None, False),
-            ("gated.bwd", D, None, None, True), ("gated.bwd", D, None, 264, False),
-            ("rmsnorm.fwd", 2048, None, None, None), ("rmsnorm.fwd", 5120, None, None, None),
-            ("gated.fwd", D, None, None, None)]
-    for kind, width, cfg, P, atomic in plan:
+    # (kind, width, cfg or None = the table's, programs or None = the table's)
+    plan = [("rmsnorm.bwd", 2048, None, None), ("rmsnorm.bwd", 2048, None, 396), ("rmsnorm.bwd", 5120, None, None),
+            ("gated.bwd", D, None, None), ("gated.bwd", D, None, 264), ("rmsnorm.fwd", 2048, None, None),
+            ("rmsnorm.fwd", 5120, None, None), ("gated.fwd", D, None, None)]
+    for kind, width, cfg, P in plan:
         if time.time() > deadline:
             log("sweep: out of time")
             break
-        name = kind + (".atomic" if atomic else ".fixed-order" if atomic is False else "")
+        name = kind
         try:
             if kind.startswith("rmsnorm"):
                 x, w, dy = data[width]
                 fb, bb = rms_bytes(T, width)
                 if kind == "rmsnorm.fwd":
-                    rec(name, f"H{width}", cfg or rops.fwd_config(width, "large"), P,
+                    rec(name, f"H{width}", cfg or rconf.fwd_config(width, "large"), P,
                         device_ms(lambda: rops.rmsnorm_fwd(x, w, EPS, cfg=cfg)), fb)
                 else:
-                    rec(name, f"H{width}", cfg or rops.bwd_config(width, "large"), P,
-                        device_ms(lambda: rops.rmsnorm_bwd(dy, x, w, EPS, True, cfg=cfg, programs=P, atomic=atomic)),
-                        bb)
+                    rec(name, f"H{width}", cfg or rconf.bwd_config(width, "large"), P,
+                        device_ms(lambda: rops.rmsnorm_bwd(dy, x, w, EPS, cfg=cfg, programs=P)), bb)
             else:
                 fb, bb = gated_bytes(N, D)
                 if kind == "gated.fwd":
-                    rec(name, "32x128", cfg or gops.fwd_config(D, "large"), P,
+                    rec(name, "32x128", cfg or gconf.fwd_config(D, "large"), P,
                         device_ms(lambda: gops.gated_fwd(gx, gz, gw, EPS, cfg=cfg)), fb)
                 else:
-                    rec(name, "32x128", cfg or gops.bwd_config(D, "large"), P,
-                        device_ms(lambda: gops.gated_bwd(gdy, gx, gz, gw, EPS, True, cfg=cfg, programs=P,
-                                                         atomic=atomic)), bb)
+                    rec(name, "32x128", cfg or gconf.bwd_config(D, "large"), P,
+                        device_ms(lambda: gops.gated_bwd(gdy, gx, gz, gw, EPS, cfg=cfg, programs=P)), bb)
         except Exception as e:  # noqa: BLE001
             log(f"sweep {kind} {cfg} failed:", repr(e)[:300])
     return out
