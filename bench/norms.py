@@ -176,10 +176,12 @@ def gated_bench(tokens) -> Bench:
 # ---------------------------------------------------------------------------------------------------- tuning
 def sweep(deadline):
     """INTERNAL LAUNCHERS (tuning only): alternative fixed configs of our kernels at 32k tokens, the launchers in
-    `_impl/*/ops` called directly with `cfg` / `programs` / `atomic` overrides (their signatures move with the
+    `_impl/*/ops` called directly with `cfg` / `programs` overrides (their signatures move with the
     implementation), to fill the table. Backward first (it matters most); `programs` is matched to how many CTAs
     fit on an SM. Device timing."""
+    from miles_ext_kernels.cake._impl.gated_rmsnorm import configs as gconf
     from miles_ext_kernels.cake._impl.gated_rmsnorm import ops as gops
+    from miles_ext_kernels.cake._impl.rmsnorm import configs as rconf
     from miles_ext_kernels.cake._impl.rmsnorm import ops as rops
 
     out = []
@@ -198,37 +200,33 @@ def sweep(deadline):
                 torch.randn(T, H, device="cuda").to(BF)) for H in (2048, 5120)}
     gx, gz, gdy = (torch.randn(N, D, device="cuda").to(BF) for _ in range(3))
     gw = 1 + 0.1 * torch.randn(D, device="cuda")
-    # (kind, width, cfg or None = the table's, programs or None = the table's, atomic weight gradient)
-    plan = [("rmsnorm.bwd", 2048, None, None, False), ("rmsnorm.bwd", 2048, None, None, True),
-            ("rmsnorm.bwd", 2048, None, 396, False), ("rmsnorm.bwd", 5120, None, None, False),
-            ("rmsnorm.bwd", 5120, None, None, True), ("gated.bwd", D, None, None, False),
-            ("gated.bwd", D, None, None, True), ("gated.bwd", D, None, 264, False),
-            ("rmsnorm.fwd", 2048, None, None, None), ("rmsnorm.fwd", 5120, None, None, None),
-            ("gated.fwd", D, None, None, None)]
-    for kind, width, cfg, P, atomic in plan:
+    # (kind, width, cfg or None = the table's, programs or None = the table's)
+    plan = [("rmsnorm.bwd", 2048, None, None), ("rmsnorm.bwd", 2048, None, 396), ("rmsnorm.bwd", 5120, None, None),
+            ("gated.bwd", D, None, None), ("gated.bwd", D, None, 264), ("rmsnorm.fwd", 2048, None, None),
+            ("rmsnorm.fwd", 5120, None, None), ("gated.fwd", D, None, None)]
+    for kind, width, cfg, P in plan:
         if time.time() > deadline:
             log("sweep: out of time")
             break
-        name = kind + (".atomic" if atomic else ".fixed-order" if atomic is False else "")
+        name = kind
         try:
             if kind.startswith("rmsnorm"):
                 x, w, dy = data[width]
                 p = {"T": T, "H": width}
                 if kind == "rmsnorm.fwd":
                     ms = device_ms(partial(rops.rmsnorm_fwd, x, w, EPS, cfg=cfg))
-                    rec(name, f"H{width}", cfg or rops.fwd_config(width, "large"), P, ms, rms_bytes(p, "fwd"))
+                    rec(name, f"H{width}", cfg or rconf.fwd_config(width, "large"), P, ms, rms_bytes(p, "fwd"))
                 else:
-                    ms = device_ms(partial(rops.rmsnorm_bwd, dy, x, w, EPS, True, cfg=cfg, programs=P, atomic=atomic))
-                    rec(name, f"H{width}", cfg or rops.bwd_config(width, "large"), P, ms, rms_bytes(p, "bwd"))
+                    ms = device_ms(partial(rops.rmsnorm_bwd, dy, x, w, EPS, cfg=cfg, programs=P))
+                    rec(name, f"H{width}", cfg or rconf.bwd_config(width, "large"), P, ms, rms_bytes(p, "bwd"))
             else:
                 p = {"T": T, "NH": NH, "D": D}
                 if kind == "gated.fwd":
                     ms = device_ms(partial(gops.gated_fwd, gx, gz, gw, EPS, cfg=cfg))
-                    rec(name, f"{NH}x{D}", cfg or gops.fwd_config(D, "large"), P, ms, gated_bytes(p, "fwd"))
+                    rec(name, f"{NH}x{D}", cfg or gconf.fwd_config(D, "large"), P, ms, gated_bytes(p, "fwd"))
                 else:
-                    ms = device_ms(partial(gops.gated_bwd, gdy, gx, gz, gw, EPS, True, cfg=cfg, programs=P,
-                                           atomic=atomic))
-                    rec(name, f"{NH}x{D}", cfg or gops.bwd_config(D, "large"), P, ms, gated_bytes(p, "bwd"))
+                    ms = device_ms(partial(gops.gated_bwd, gdy, gx, gz, gw, EPS, cfg=cfg, programs=P))
+                    rec(name, f"{NH}x{D}", cfg or gconf.bwd_config(D, "large"), P, ms, gated_bytes(p, "bwd"))
         except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is logged
             log(f"sweep {kind} {cfg} failed:", repr(e)[:300])
     return out

@@ -5,8 +5,8 @@
 
 over rows of the head dim D (64, 128 or 256), computed in fp32, y in x's dtype. The weight `[D]` is
 ones-initialised (not zero-centred), fp32 or bf16. Variants: det (default; every output and gradient repeats bit
-for bit) and fast (may sum the weight gradient in no fixed order; on the H200 the atomic sum was not faster than
-the fixed-order one, so today fast runs the det kernels).
+for bit) and fast (may sum the weight gradient in no fixed order; it runs the det kernels: on the H200 an atomic
+sum was not faster than the fixed-order one).
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ multiple of 8 elements); the weight `[H]` is fp32 or bf16 (FSDP2 with `param_dty
 in its own dtype, summed over all rows of the call.
 
 Variants: det (default; every output and gradient repeats bit for bit) and fast (may sum the weight gradient in
-no fixed order; on the H200 the atomic sum was not faster than the fixed-order one, so today fast runs the det
-kernels). Widths: `supported_hidden_sizes()`.
+no fixed order; it runs the det kernels: on the H200 an atomic sum was not faster than the fixed-order one).
+Widths: `supported_hidden_sizes()`.
 """
 from __future__ import annotations
 

@@ -14,11 +14,11 @@ D = 128
 def every_route(D):
     """Run every route of head dim D (small and large row windows, fp32/bf16 weights, det/fast); return det bits."""
     from miles_ext_kernels.cake import gated_rmsnorm as decl
-    from miles_ext_kernels.cake._impl.gated_rmsnorm import ops
+    from miles_ext_kernels.cake._impl.gated_rmsnorm import configs
 
     out = {}
     NH = 32
-    for T in (10, ops.SMALL_N // NH + 1, 1000):
+    for T in (10, configs.SMALL_N // NH + 1, 1000):
         for wdt in (torch.float32, torch.bfloat16):
             for variant in ("det", "fast"):
                 mek.configure(gated_rmsnorm_variant=variant)

@@ -14,10 +14,10 @@ H = 2048
 def every_route(H):
     """Run every route of width H (small and large token windows, fp32/bf16 weights, det/fast); return det bits."""
     from miles_ext_kernels.cake import rmsnorm as decl
-    from miles_ext_kernels.cake._impl.rmsnorm import ops
+    from miles_ext_kernels.cake._impl.rmsnorm import configs
 
     out = {}
-    for T in (100, ops.SMALL_T + 1, 3000):
+    for T in (100, configs.SMALL_T + 1, 3000):
         for wdt in (torch.float32, torch.bfloat16):
             for variant in ("det", "fast"):
                 mek.configure(rmsnorm_variant=variant)

@@ -1,13 +1,18 @@
 """rmsnorm through Triton's interpreter on CPU tensors: accuracy vs FP64, layouts, variants, checks, module."""
+import importlib
+
 import pytest
 import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import rmsnorm as decl
-from miles_ext_kernels.cake._impl.rmsnorm import _demo as demo_mod
-from miles_ext_kernels.cake._impl.rmsnorm import ops
 from miles_ext_kernels.cake._impl.rmsnorm.reference import grads_ref, zero_centered_rmsnorm_ref
+from miles_ext_kernels.cake._runtime.operands import copies
 from miles_ext_kernels.cake._runtime.testing import check_budget
+
+demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.rmsnorm.demo")
+ops = importlib.import_module("miles_ext_kernels.cake._impl.rmsnorm.ops")
+configs = importlib.import_module("miles_ext_kernels.cake._impl.rmsnorm.configs")
 
 pytestmark = pytest.mark.interpreter
 BF, F32 = torch.bfloat16, torch.float32
@@ -57,8 +62,8 @@ def test_accuracy(variant, shape, wdtype):
 
 def test_large_window_and_odd_tokens():
     # T > SMALL_T selects the "large" configs; 1025 rows do not fill the last row block
-    T = ops.SMALL_T + 1
-    assert ops.window_of(T) == "large"
+    T = configs.SMALL_T + 1
+    assert configs.window_of(T) == "large"
     x, w, dy = _inputs((T, 64), F32, seed=1)
     _check(x, w, dy, _run(x, w, dy))
 
@@ -68,23 +73,14 @@ def test_strided_rows_read_in_place():
     wide = torch.randn(9, 3 * 128 + 16, generator=g).to(BF)
     x = wide[:, 8:8 + 128]  # row stride 400 (a multiple of 8), 16-byte aligned start
     _, w, dy = _inputs((9, 128), F32, seed=3)
-    before = dict(ops.COPIES)
+    before = copies(ops.OP)
     got = _run(x, w, dy)
-    assert dict(ops.COPIES) == before  # no copy
+    assert copies(ops.OP) == before  # no copy
     _check(x, w, dy, got)
     x_odd = wide[:, 3:3 + 128]  # misaligned start: copied first
     got = _run(x_odd, w, dy)
-    assert ops.COPIES["x"] == before.get("x", 0) + 2  # copied once in the forward, once in the backward
+    assert copies(ops.OP)["x"] == before.get("x", 0) + 2  # copied once in the forward, once in the backward
     _check(x_odd, w, dy, got)
-
-
-@pytest.mark.parametrize("wdtype", [F32, BF])
-def test_atomic_weight_gradient_path(wdtype):
-    # off in the table (fast runs the det path), kept tested so the table can switch it on
-    x, w, dy = _inputs((29, 128), wdtype, seed=7)
-    y = ops.rmsnorm_fwd(x, w, 1e-6)
-    dx, dw = ops.rmsnorm_bwd(dy, x, w, 1e-6, False, atomic=True)
-    _check(x, w, dy, (y, dx, dw))
 
 
 @pytest.mark.parametrize("programs", [1, 16, 37])
@@ -95,10 +91,10 @@ def test_in_launch_weight_gradient_sum(programs):
 
     x, w, dy = _inputs((150, 320), F32, seed=8)  # 320 = 256 + 64: the two-tile row
     y = ops.rmsnorm_fwd(x, w, 1e-6)
-    dx, dw = ops.rmsnorm_bwd(dy, x, w, 1e-6, True, programs=programs)
+    dx, dw = ops.rmsnorm_bwd(dy, x, w, 1e-6, programs=programs)
     _check(x, w, dy, (y, dx, dw))
     assert int(R.counters(x).abs().sum()) == 0
-    dx2, dw2 = ops.rmsnorm_bwd(dy, x, w, 1e-6, True, programs=programs)
+    dx2, dw2 = ops.rmsnorm_bwd(dy, x, w, 1e-6, programs=programs)
     assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
 
 
@@ -108,9 +104,9 @@ def test_plain_and_compensated_weight_gradient_sums(kahan):
     # column tiles' sums run; the result stays within the budgets and close to the compensated sum
     x, w, dy = _inputs((150, 320), F32, seed=9)
     y = ops.rmsnorm_fwd(x, w, 1e-6)
-    dx, dw = ops.rmsnorm_bwd(dy, x, w, 1e-6, True, cfg=(1, 4, 3, kahan), programs=4)
+    dx, dw = ops.rmsnorm_bwd(dy, x, w, 1e-6, cfg=(1, 4, 3, kahan), programs=4)
     _check(x, w, dy, (y, dx, dw))
-    dx_k, dw_k = ops.rmsnorm_bwd(dy, x, w, 1e-6, True, cfg=(1, 4, 3, True), programs=4)
+    dx_k, dw_k = ops.rmsnorm_bwd(dy, x, w, 1e-6, cfg=(1, 4, 3, True), programs=4)
     assert torch.equal(dx, dx_k)
     assert (dw - dw_k).abs().max() <= 1e-5 * dw_k.abs().max()
 
@@ -133,13 +129,13 @@ def test_bits_repeat(variant):
 
 def test_backward_runs_forward_variant(monkeypatch):
     seen = []
-    real = ops._bwd
+    real = ops.RMSNORM.backward
 
-    def spy(dy, x, weight, eps, deterministic, *a, **kw):
-        seen.append(deterministic)
-        return real(dy, x, weight, eps, deterministic, *a, **kw)
+    def spy(dy, x, weight, eps, variant):
+        seen.append(variant)
+        return real(dy, x, weight, eps, variant)
 
-    monkeypatch.setattr(ops, "_bwd", spy)
+    monkeypatch.setattr(ops.RMSNORM, "backward", spy)
     x, w, dy = _inputs((4, 64), F32)
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     mek.configure(rmsnorm_variant="fast")
@@ -149,7 +145,7 @@ def test_backward_runs_forward_variant(monkeypatch):
     y = decl.zero_centered_rmsnorm(xr, wr)
     mek.configure(rmsnorm_variant="fast")
     y.backward(dy)
-    assert seen == [False, True]
+    assert seen == ["fast", "det"]
     # torch.use_deterministic_algorithms(True) turns fast into det
     mek.configure(rmsnorm_variant="fast")
     torch.use_deterministic_algorithms(True)
@@ -157,7 +153,7 @@ def test_backward_runs_forward_variant(monkeypatch):
         decl.zero_centered_rmsnorm(xr, wr).backward(dy)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert seen[-1] is True
+    assert seen[-1] == "det"
 
 
 def test_bad_inputs_raise_before_launch(monkeypatch):
@@ -227,10 +223,31 @@ def test_module():
         decl.ZeroCenteredRMSNorm(100)
 
 
-def test_demo_and_routes():
+def test_demo():
     rows = decl.OP.impl().demo("cpu")
     assert rows and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
-    labels = [r.label for r in decl.OP.impl().routes(hidden_size=2048)]
-    assert len(labels) == len(set(labels)) and any("fast" in s for s in labels)
+
+
+@pytest.mark.parametrize("H", [2048, 5120, 320])
+def test_routes_are_the_launchers_launches(H):
+    """routes() runs the launchers on meta tensors over both weight dtypes, both token windows and both variants: 6
+    distinct specializations (the forward per weight dtype x window, the backward per weight dtype: both windows
+    and both variants share it), each recorded from the real launch site."""
+    rs = decl.OP.impl().routes(hidden_size=H)
+    labels = [r.label for r in rs]
+    assert len(labels) == len(set(labels)) == 6
+    assert sum(lab.startswith("_rmsnorm_fwd_kernel[") for lab in labels) == 4
+    assert sum(lab.startswith("_rmsnorm_bwd_kernel[") for lab in labels) == 2
+    assert {r.args["w_ptr"] for r in rs} == {F32, BF}
     with pytest.raises(ValueError):
         decl.OP.impl().routes(hidden_size=100)
+
+
+def test_no_grad_calls_run_the_forward_alone_and_custom_ops_exist(monkeypatch):
+    x, w, _ = _inputs((4, 64), F32)
+    monkeypatch.setattr(ops.RMSNORM, "function", None)  # no autograd.Function on this path
+    assert decl.zero_centered_rmsnorm(x, w).grad_fn is None
+    with torch.no_grad():
+        assert decl.zero_centered_rmsnorm(x, w.clone().requires_grad_(True)).grad_fn is None
+    assert torch.ops.miles_ext_kernels.rmsnorm_fwd.default is not None
+    assert torch.ops.miles_ext_kernels.rmsnorm_bwd.default is not None

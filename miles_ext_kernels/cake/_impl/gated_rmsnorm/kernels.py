@@ -40,11 +40,11 @@ def _gated_fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, N, NH, sxt, sxh, szt, szh, eps
 @triton.jit(do_not_specialize=["N", "NH", "sxt", "sxh", "szt", "szh", "sgt", "sgh", "rows_per_prog", "eps"])
 def _gated_bwd_kernel(x_ptr, z_ptr, w_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, N, NH, sxt, sxh, szt, szh, sgt, sgh,
                       rows_per_prog, eps, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                      STAGES: tl.constexpr, ATOMIC: tl.constexpr):
+                      STAGES: tl.constexpr):
     """Persistent: program p owns rows [p * rows_per_prog, (p + 1) * rows_per_prog); dx and dz ([N, D]
     contiguous) row by row (with STAGES > 1 the loads of the next STAGES - 1 row blocks are in flight, through
-    shared memory, while this block is reduced), and the weight gradient of its rows as partial row p of `dw_ptr` ([P, D] fp32, the
-    deterministic path) or atomically added into `dw_ptr` ([D] fp32, zeroed; the fast path)."""
+    shared memory, while this block is reduced), and the weight gradient of its rows as partial row p of `dw_ptr`
+    ([P, D] fp32), which the launcher sums in a fixed order."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -76,7 +76,4 @@ def _gated_bwd_kernel(x_ptr, z_ptr, w_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, N, NH
         tl.store(dz_ptr + oo[:, None] + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
         acc += dyg * xhat
     dw = tl.sum(acc, axis=0)
-    if ATOMIC:
-        tl.atomic_add(dw_ptr + cols, dw, mask=cmask, sem="relaxed")
-    else:
-        tl.store(dw_ptr + pid.to(tl.int64) * D + cols, dw, mask=cmask)
+    tl.store(dw_ptr + pid.to(tl.int64) * D + cols, dw, mask=cmask)

@@ -7,7 +7,7 @@ after its load (bf16 arithmetic is also wrong in Triton's interpreter), and cast
 
 A row is held as two register tiles: columns [0, BLOCK_A) with BLOCK_A the largest power of two <= H (no column
 mask), and, when H is not a power of two, columns [BLOCK_A, H) in a tile of BLOCK_B = next_pow2(H - BLOCK_A)
-(masked). H 5120 is 4096 + 1024: no padded lanes, where one 8192-wide tile wasted 37.5 % of the registers and
+(masked). H 5120 is 4096 + 1024: no padded lanes, where one 8192-wide tile would waste 37.5 % of the registers and
 issue slots.
 """
 import triton
@@ -47,18 +47,17 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, T, stride_x, stride_y, eps,
 def _rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, part_ptr, cnt_ptr, dw_ptr, T, stride_x, stride_dy, stride_dx,
                         rows_per_prog, eps, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
                         BLOCK_B: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr, RED_C: tl.constexpr,
-                        KAHAN: tl.constexpr, ATOMIC: tl.constexpr):
+                        KAHAN: tl.constexpr):
     """Persistent: program p owns rows [p * rows_per_prog, (p + 1) * rows_per_prog). dx row by row (the loads of
     the next STAGES - 1 row blocks in flight, through shared memory); the weight gradient of its rows is summed in
     registers (Kahan-compensated when KAHAN; a plain fp32 sum otherwise, for tables with more programs, so fewer rows
     per program, where the compensation's registers (~20 per thread at H 5120, plus temporaries) buy a second CTA per
     SM).
 
-    det (`ATOMIC=False`): the program writes its sum as partial row p of `part_ptr` ([P + cdiv(P, GROUP), H] fp32)
-    and `fixed_order_finish` reduces the partial rows in a fixed order inside this launch (the last program of each
+    The program writes its sum as partial row p of `part_ptr` ([P + cdiv(P, GROUP), H] fp32) and
+    `fixed_order_finish` reduces the partial rows in a fixed order inside this launch (the last program of each
     group of GROUP programs sums its group, the last group sums the groups into `dw_ptr`, in the weight's dtype;
-    `cnt_ptr` holds zeroed int32 counters that the kernel leaves zeroed). fast (`ATOMIC=True`): the program adds
-    its sum atomically into `part_ptr` ([H] fp32, zeroed); `dw_ptr` and `cnt_ptr` are unused."""
+    `cnt_ptr` holds zeroed int32 counters that the kernel leaves zeroed)."""
     pid = tl.program_id(0)
     ca = tl.arange(0, BLOCK_A)
     w = tl.load(w_ptr + ca).to(tl.float32) + 1.0
@@ -118,13 +117,8 @@ def _rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, part_ptr, cnt_ptr, dw_ptr,
             else:
                 acc_b += dyb * xhat_b
     dw = tl.sum(acc, axis=0)
-    if ATOMIC:
-        tl.atomic_add(part_ptr + ca, dw, sem="relaxed")
-        if BLOCK_B > 0:
-            tl.atomic_add(part_ptr + cb, tl.sum(acc_b, axis=0), mask=cbm, sem="relaxed")
-    else:
-        prow = part_ptr + pid.to(tl.int64) * H
-        tl.store(prow + ca, dw)
-        if BLOCK_B > 0:
-            tl.store(prow + cb, tl.sum(acc_b, axis=0), mask=cbm)
-        fixed_order_finish(part_ptr, cnt_ptr, dw_ptr, pid, tl.num_programs(0), H, GROUP, RED_C)
+    prow = part_ptr + pid.to(tl.int64) * H
+    tl.store(prow + ca, dw)
+    if BLOCK_B > 0:
+        tl.store(prow + cb, tl.sum(acc_b, axis=0), mask=cbm)
+    fixed_order_finish(part_ptr, cnt_ptr, dw_ptr, pid, tl.num_programs(0), H, GROUP, RED_C)
