@@ -3,8 +3,9 @@
 Peers: fla's `causal_conv1d` (Triton, backend="triton") and a PyTorch reference (F.conv1d per document in bf16 +
 SiLU, autograd backward). Qwen3-Next's shape: D = 2*16*128 + 2*32*128 = 12288 channels, 32768 tokens.
 Bytes: fwd reads x and writes y; bwd reads x and dy and writes dx (weights are negligible). Times are medians of
-calls queued back to back (`*_synced`: one sync per call, `_common.median_ms`, which adds the host launch time). Also reports each
-implementation's relative RMS error against the FP64 reference on the main shape, and whether det repeats bits.
+calls queued back to back (`*_synced`: one sync per call, `_common.median_ms`, which adds the host launch time).
+Also reports each implementation's relative RMS error against the FP64 reference on the main shape, and whether det
+repeats bits.
 Prints a table; writes bench/results/conv1d.json.
 
     python bench/conv1d.py [--no-fla] [--no-torch] [--sweep]
@@ -29,7 +30,7 @@ from _common import COPY_TBPS, median_ms, print_table, queued_ms, write_results 
 import miles_ext_kernels as mek  # noqa: E402
 from miles_ext_kernels import cake  # noqa: E402
 from miles_ext_kernels.cake import conv1d  # noqa: E402
-from miles_ext_kernels.cake._impl.conv1d import ops  # noqa: E402
+from miles_ext_kernels.cake._impl.conv1d import configs, ops  # noqa: E402
 from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_shift  # noqa: E402
 
 
@@ -138,7 +139,7 @@ def run_sweep():
     rest of the run (and in the JSON); candidates are compiled in parallel first."""
     from miles_ext_kernels.cake._runtime import build
 
-    cfgs = ops._CONFIGS["sm_90a"]
+    cfgs = configs.CONFIGS["sm_90a"]
     bf = torch.bfloat16
     routes = []
     for has_cu in (True, False):
@@ -159,7 +160,7 @@ def run_sweep():
     out, best = [], {}
     for kind, cands in (("fwd", FWD_CANDIDATES), ("bwd", BWD_CANDIDATES)):
         for c in cands:
-            ops._CONFIGS["sm_90a"] = dict(shipped, **{kind: dict(c, num_stages=1)})
+            configs.CONFIGS["sm_90a"] = dict(shipped, **{kind: dict(c, num_stages=1)})
             _, _, f_ms, b_ms = time_impl(ours, x, w, dy, cu, synced=False)
             ms = f_ms if kind == "fwd" else b_ms
             nbytes = (2 if kind == "fwd" else 3) * T * D * 2
@@ -167,21 +168,21 @@ def run_sweep():
             print(out[-1], flush=True)
             if kind not in best or ms < best[kind][0]:
                 best[kind] = (ms, dict(c, num_stages=1))
-    ops._CONFIGS["sm_90a"] = dict(shipped, fwd=best["fwd"][1], bwd=best["bwd"][1])
-    print("picked", ops._CONFIGS["sm_90a"], flush=True)
+    configs.CONFIGS["sm_90a"] = dict(shipped, fwd=best["fwd"][1], bwd=best["bwd"][1])
+    print("picked", configs.CONFIGS["sm_90a"], flush=True)
     out_dir = os.environ.get("BENCH_OUT")
     if out_dir:
-        Path(out_dir, "picked.json").write_text(json.dumps(ops._CONFIGS["sm_90a"]))
+        Path(out_dir, "picked.json").write_text(json.dumps(configs.CONFIGS["sm_90a"]))
     del x, w, dy
     torch.cuda.empty_cache()
     return out
 
 
 def write_config(cfg):
-    """Rewrite the sm_90a "fwd"/"bwd" lines of the config table in ops.py (the first two such lines)."""
+    """Rewrite the sm_90a "fwd"/"bwd" lines of the config table in configs.py (the first two such lines)."""
     import re
 
-    path = Path(ops.__file__)
+    path = Path(configs.__file__)
     src = path.read_text()
     for kind in ("fwd", "bwd"):
         c = cfg[kind]
@@ -214,7 +215,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time a few alternative block configs")
     ap.add_argument("--prebuild", action="store_true", help="prebuild every route first (fills the cache)")
     ap.add_argument("--write-config", action="store_true",
-                    help="with --sweep: write the picked sm_90a fwd/bwd configs into _impl/conv1d/ops.py")
+                    help="with --sweep: write the picked sm_90a fwd/bwd configs into _impl/conv1d/configs.py")
     args = ap.parse_args()
     t_start = time.time()
     if args.prebuild:
@@ -224,7 +225,7 @@ def main():
     if args.sweep:
         sweep = run_sweep()
         if args.write_config:
-            write_config(ops._CONFIGS["sm_90a"])
+            write_config(configs.CONFIGS["sm_90a"])
     rows, errs = [], []
     lens_holder = [None]
     impls = {"cake det": ours, "cake fast": ours}
@@ -287,7 +288,7 @@ def main():
         print()
         print_table(sweep, ["kind", "BLOCK_D", "CHUNK", "ROWS", "num_warps", "ms", "tbps"])
     path = write_results("conv1d", rows, extra={"accuracy": errs, "sweep": sweep, "copy_tbps": COPY_TBPS,
-                                                "configs": ops._CONFIGS["sm_90a"]})
+                                                "configs": configs.CONFIGS["sm_90a"]})
     print(f"wrote {path} ({time.time() - t_start:.0f} s)")
 
 

@@ -8,7 +8,7 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import conv1d
-from miles_ext_kernels.cake._impl.conv1d import demo, ops, routes
+from miles_ext_kernels.cake._impl.conv1d import configs, demo, ops, routes
 from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_grads
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
 
@@ -68,8 +68,8 @@ def test_against_fp64_reference(case):
 
 def test_four_rows_per_step_configs(monkeypatch):
     """The kernels also run ROWS=4 (the shipped configs use 8): same results as the reference."""
-    cfg = ops._CONFIGS["interpreter"]
-    monkeypatch.setitem(ops._CONFIGS, "interpreter", dict(cfg, fwd=dict(cfg["fwd"], ROWS=4, CHUNK=4),
+    cfg = configs.CONFIGS["interpreter"]
+    monkeypatch.setitem(configs.CONFIGS, "interpreter", dict(cfg, fwd=dict(cfg["fwd"], ROWS=4, CHUNK=4),
                                                           bwd=dict(cfg["bwd"], ROWS=4, CHUNK=8)))
     x, w, dy = make(23, 16, 4, seed=9)
     cu = torch.tensor([0, 3, 4, 13, 23], dtype=torch.int32)

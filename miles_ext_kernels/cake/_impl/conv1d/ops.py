@@ -15,26 +15,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..._runtime import build, checks, config, workspace
-from . import kernels
+from . import configs, kernels
 
 OP = "conv1d"
-
-# Fixed configs per arch (no autotuning: the same config, hence the same bits, in every process).
-# fwd / bwd: BLOCK_D channels x CHUNK tokens per program, ROWS rows loaded ahead; red: the dw reduction.
-# sm_90a: picked on the H200 by `python bench/conv1d.py --sweep` (bench/NOTES.md, conv1d).
-_CONFIGS = {
-    "sm_90a": {
-        "fwd": dict(BLOCK_D=128, CHUNK=64, ROWS=8, num_warps=1, num_stages=1),
-        "bwd": dict(BLOCK_D=128, CHUNK=256, ROWS=8, num_warps=1, num_stages=1),
-        "red": dict(BLOCK_P=16, BLOCK_D=256, num_warps=4, num_stages=1),
-    },
-    # CPU tests through the interpreter: small blocks, so tiny shapes still span several programs
-    "interpreter": {
-        "fwd": dict(BLOCK_D=32, CHUNK=8, ROWS=8, num_warps=1, num_stages=1),
-        "bwd": dict(BLOCK_D=32, CHUNK=16, ROWS=8, num_warps=1, num_stages=1),
-        "red": dict(BLOCK_P=4, BLOCK_D=32, num_warps=1, num_stages=1),
-    },
-}
 
 _WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _ACT_NAMES = {None: 0, "silu": 1, "swish": 1}
@@ -81,7 +64,7 @@ def _fwd(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tenso
     x = _aligned(x)
     w = _aligned(weight.contiguous())
     cu, n_seq, n_iter = _prep_cu(cu_seqlens)
-    cfg = _CONFIGS[build.check_device(x, "x")]["fwd"]
+    cfg = configs.CONFIGS[build.check_device(x, "x")]["fwd"]
     sx = x.stride(0) if T > 1 else D
     align = _align(D, sx)
     grid = (build.cdiv(T, cfg["CHUNK"]), build.cdiv(D, cfg["BLOCK_D"]))
@@ -108,7 +91,7 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Op
     x = _aligned(x)
     w = _aligned(weight.contiguous())
     cu, n_seq, n_iter = _prep_cu(cu_seqlens)
-    cfgs = _CONFIGS[build.check_device(x, "x")]
+    cfgs = configs.CONFIGS[build.check_device(x, "x")]
     cfg = cfgs["bwd"]
     sx = x.stride(0) if T > 1 else D
     sdy = dy.stride(0) if T > 1 else D
@@ -222,7 +205,7 @@ def routes(*, weight_dtype: str):
     if weight_dtype not in _WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {tuple(_WEIGHT_DTYPES)}, got {weight_dtype!r}")
     wdt = _WEIGHT_DTYPES[weight_dtype]
-    cfgs = _CONFIGS["sm_90a"]
+    cfgs = configs.CONFIGS["sm_90a"]
     bf = torch.bfloat16
     out = []
     for W in (2, 3, 4):
