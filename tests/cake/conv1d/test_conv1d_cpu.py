@@ -124,17 +124,17 @@ def test_silu_grad_preactivation_option():
 
 def test_backward_runs_the_forward_variant_and_option(monkeypatch):
     seen = []
-    real = ops._bwd
+    real = ops.conv1d_backward
 
-    def spy(dy, x, w, cu, act_mode, det):
-        seen.append((act_mode, det))
-        return real(dy, x, w, cu, act_mode, det)
+    def spy(dy, x, w, cu, act_mode, variant):
+        seen.append((act_mode, variant))
+        return real(dy, x, w, cu, act_mode, variant)
 
-    monkeypatch.setattr(ops, "_bwd", spy)
+    monkeypatch.setattr(ops, "conv1d_backward", spy)
     x, w, dy = make(12, 8, 4, seed=4)
     for fwd_cfg, bwd_cfg, want in (
-            (dict(conv1d_variant="det"), dict(conv1d_variant="fast"), (1, True)),
-            (dict(conv1d_variant="fast", conv1d_silu_grad_preactivation="fp32"), dict(), (2, False))):
+            (dict(conv1d_variant="det"), dict(conv1d_variant="fast"), (1, "det")),
+            (dict(conv1d_variant="fast", conv1d_silu_grad_preactivation="fp32"), dict(), (2, "fast"))):
         xr = x.detach().requires_grad_(True)
         wr = w.detach().requires_grad_(True)
         mek.configure(**fwd_cfg)
@@ -173,7 +173,7 @@ def test_det_repeats_and_fast_agrees():
     (lambda x, w, cu: (x, w, cu.to("meta"), "silu"), ValueError, "^cu_seqlens must be on cpu, got meta"),
 ])
 def test_bad_input_raises_before_launch(bad, exc, word, monkeypatch):
-    monkeypatch.setattr(ops, "_fwd", lambda *a: pytest.fail("launched"))
+    monkeypatch.setattr(ops, "launch", lambda *a, **k: pytest.fail("launched"))
     x, w, _ = make(8, 8, 4)
     args = bad(x, w, torch.tensor([0, 8], dtype=torch.int32))
     with pytest.raises(exc, match=word):

@@ -15,6 +15,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..._runtime import build, checks, config, workspace
+from ..._runtime.launch import arch_of, collect_routes, launch
+from ..._runtime.operands import operand
 from . import configs, kernels
 
 OP = "conv1d"
@@ -23,97 +25,80 @@ _WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _ACT_NAMES = {None: 0, "silu": 1, "swish": 1}
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """`t` if it starts 16-byte aligned (the compiled specializations assume it), else an aligned copy."""
-    if t.numel() and t.data_ptr() % 16:
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
-def _prep_cu(cu: Optional[torch.Tensor]):
-    if cu is None:
-        return None, 0, 0
-    if cu.stride(0) != 1:  # int32 or int64: the kernels load either
-        cu = cu.contiguous()
-    cu = _aligned(cu)
+def _operands(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
+    """(x, weight, cu_seqlens, n_seq, n_iter) as the kernels read them. x is read in place with any row stride (a
+    column slice of a packed projection: ALIGN=1 routes take strides that are not multiples of 8) once it starts
+    16-byte aligned, as the routes are compiled for aligned pointers; the weight and cu_seqlens (int32 or int64,
+    the kernels load either) are indexed densely."""
+    x = operand(x, OP, "x")
+    w = operand(weight, OP, "weight", contiguous=True)
+    if cu_seqlens is None:
+        return x, w, None, 0, 0
+    cu = operand(cu_seqlens, OP, "cu_seqlens", contiguous=True)
     n_seq = cu.numel() - 1
-    return cu, n_seq, max(1, n_seq.bit_length())
+    return x, w, cu, n_seq, max(1, n_seq.bit_length())
 
 
 def _align(D: int, *strides: int) -> int:
+    """ALIGN: 8 when D and the row strides allow 16-byte rows (the kernels see them divided by it and vectorize)."""
     return 8 if D % 8 == 0 and all(s % 8 == 0 for s in strides) else 1
-
-
-def _meta(W: int, act: int, has_cu: bool, align: int, cfg: dict) -> dict:
-    """Constexprs + launch options of a forward or backward launch (the backward's `act` is its SiLU-grad mode)."""
-    return dict(W=W, ACT=act, HAS_CU=has_cu, ALIGN=align, **cfg)
-
-
-def _red_meta(W: int, cfg: dict) -> dict:
-    return dict(W=W, **cfg)
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
 @build.on_input_device
-def _fwd(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act: int) -> torch.Tensor:
+def conv1d_forward(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act: int,
+                   variant: str = "det") -> torch.Tensor:
+    """y [T, D] (x's dtype, contiguous) of x [T, D], weight [D, W], cu_seqlens [N + 1] or None; act: 0 none,
+    1 SiLU. Operands already checked."""
     T, D = x.shape
     W = weight.shape[1]
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
     if T == 0 or D == 0:
         return y
-    x = _aligned(x)
-    w = _aligned(weight.contiguous())
-    cu, n_seq, n_iter = _prep_cu(cu_seqlens)
-    cfg = configs.CONFIGS[build.check_device(x, "x")]["fwd"]
+    cfg = configs.CONFIGS[arch_of(x, "x")]["fwd"]
+    x, w, cu, n_seq, n_iter = _operands(x, weight, cu_seqlens)
     sx = x.stride(0) if T > 1 else D
-    align = _align(D, sx)
-    grid = (build.cdiv(T, cfg["CHUNK"]), build.cdiv(D, cfg["BLOCK_D"]))
-    kernels.conv1d_fwd_kernel[grid](x, w, y, cu, T, D // align, sx // align, D // align, n_seq, n_iter,
-                                    **_meta(W, act, cu is not None, align, cfg))
+    al = _align(D, sx)
+    launch(kernels.conv1d_fwd_kernel, (build.cdiv(T, cfg["CHUNK"]), build.cdiv(D, cfg["BLOCK_D"])), x_ptr=x,
+           w_ptr=w, y_ptr=y, cu_ptr=cu, T=T, D_a=D // al, sx_a=sx // al, sy_a=D // al, n_seq=n_seq, n_iter=n_iter,
+           W=W, ACT=act, HAS_CU=cu is not None, ALIGN=al, **cfg)
     return y
 
 
 @build.on_input_device
-def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-         act_mode: int, det: bool = True):
-    """dx, dw. Both variants (`det`) run these kernels: dw partials per token block, reduced in a fixed order
-    (fp32 atomics were measured slower on the H200), so fast and det give the same bits."""
+def conv1d_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+                    act_mode: int, variant: str = "det") -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [T, D] in x's dtype, dw [D, W] in weight's dtype), both contiguous. act_mode: 0 no activation, 1 SiLU'
+    at the bf16-rounded pre-activation, 2 at the exact fp32 one. Both variants run these kernels: dw partials per
+    token block, reduced in a fixed order (fp32 atomics into [D, W] were measured slower on the H200)."""
     T, D = x.shape
     W = weight.shape[1]
     dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
     if T == 0 or D == 0:
         return dx, torch.zeros_like(weight, memory_format=torch.contiguous_format)
-    if dy.dtype != x.dtype:
-        dy = dy.to(x.dtype)
-    if dy.stride(-1) != 1:
-        dy = dy.contiguous()
-    dy = _aligned(dy)
-    x = _aligned(x)
-    w = _aligned(weight.contiguous())
-    cu, n_seq, n_iter = _prep_cu(cu_seqlens)
-    cfgs = configs.CONFIGS[build.check_device(x, "x")]
-    cfg = cfgs["bwd"]
+    cfgs = configs.CONFIGS[arch_of(x, "x")]
+    cfg, red = cfgs["bwd"], cfgs["red"]
+    dy = operand(dy.to(x.dtype), OP, "dy")
+    x, w, cu, n_seq, n_iter = _operands(x, weight, cu_seqlens)
     sx = x.stride(0) if T > 1 else D
     sdy = dy.stride(0) if T > 1 else D
-    align = _align(D, sx, sdy)
+    al = _align(D, sx, sdy)
     n_blocks = build.cdiv(T, cfg["CHUNK"])
-    grid = (n_blocks, build.cdiv(D, cfg["BLOCK_D"]))
     Dp = build.cdiv(D, 8) * 8
     part = workspace.take((OP, "dw_partial"), n_blocks * W * Dp * 4, device=x.device).view(torch.float32)
-    kernels.conv1d_bwd_kernel[grid](x, w, dy, dx, part, cu, T, D // align, sx // align, sdy // align,
-                                    D // align, Dp // 8, n_seq, n_iter,
-                                    **_meta(W, act_mode, cu is not None, align, cfg))
+    launch(kernels.conv1d_bwd_kernel, (n_blocks, build.cdiv(D, cfg["BLOCK_D"])), x_ptr=x, w_ptr=w, dy_ptr=dy,
+           dx_ptr=dx, dw_ptr=part, cu_ptr=cu, T=T, D_a=D // al, sx_a=sx // al, sdy_a=sdy // al, sdx_a=D // al,
+           Dp_a=Dp // 8, n_seq=n_seq, n_iter=n_iter, W=W, ACT=act_mode, HAS_CU=cu is not None, ALIGN=al, **cfg)
     dw = torch.empty((D, W), dtype=weight.dtype, device=x.device)
-    red = cfgs["red"]
-    kernels.dw_reduce_kernel[(build.cdiv(D, red["BLOCK_D"]), W)](part, dw, n_blocks, D, Dp // 8,
-                                                                  **_red_meta(W, red))
+    launch(kernels.dw_reduce_kernel, (build.cdiv(D, red["BLOCK_D"]), W), part_ptr=part, dw_ptr=dw, n_part=n_blocks,
+           D=D, Dp_a=Dp // 8, W=W, **red)
     return dx, dw
 
 
 # ---------------------------------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("miles_ext_kernels::cake_conv1d_fwd", mutates_args=())
 def _fwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act: int) -> torch.Tensor:
-    return _fwd(x, weight, cu_seqlens, act)
+    return conv1d_forward(x, weight, cu_seqlens, act)
 
 
 @_fwd_op.register_fake
@@ -124,7 +109,7 @@ def _(x, weight, cu_seqlens, act):
 @torch.library.custom_op("miles_ext_kernels::cake_conv1d_bwd", mutates_args=())
 def _bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
             act_mode: int, det: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _bwd(dy, x, weight, cu_seqlens, act_mode, det)
+    return conv1d_backward(dy, x, weight, cu_seqlens, act_mode, "det" if det else "fast")
 
 
 @_bwd_op.register_fake
@@ -162,13 +147,13 @@ class _Conv1dFn(torch.autograd.Function):
     def forward(ctx, x, weight, cu_seqlens, act, det, act_mode):
         ctx.save_for_backward(x, weight, cu_seqlens)
         ctx.det, ctx.act_mode = det, act_mode
-        return _fwd(x, weight, cu_seqlens, act)
+        return conv1d_forward(x, weight, cu_seqlens, act)
 
     @staticmethod
     @once_differentiable  # a second derivative raises instead of silently carrying no history
     def backward(ctx, dy):
         x, weight, cu_seqlens = ctx.saved_tensors
-        dx, dw = _bwd(dy, x, weight, cu_seqlens, ctx.act_mode, ctx.det)
+        dx, dw = conv1d_backward(dy, x, weight, cu_seqlens, ctx.act_mode, "det" if ctx.det else "fast")
         return dx, dw, None, None, None, None
 
 
@@ -192,37 +177,34 @@ def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
     if torch.compiler.is_compiling():
         return _fwd_op(x, weight, cu_seqlens, act)
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return _fwd(x, weight, cu_seqlens, act)
+        return conv1d_forward(x, weight, cu_seqlens, act)
     det, act_mode = _modes(act)
     return _Conv1dFn.apply(x, weight, cu_seqlens, act, det, act_mode)
 
 
 # ---------------------------------------------------------------------------------------------------- routes
 def routes(*, weight_dtype: str):
-    """Every kernel specialization a call can launch on sm_90a for `weight_dtype` ("float32" / "bfloat16"):
-    both variants (they share kernels), both silu-grad options (and no activation), W in 2..4, with/without
-    cu_seqlens, aligned (D and row strides multiples of 8) or not, and the dw reduction per W."""
+    """Every kernel specialization a call with a `weight_dtype` ("float32" / "bfloat16") weight can launch: the
+    launchers above run on meta tensors over every flag (W 2..4; no activation, SiLU with either SiLU-grad mode;
+    no / int32 / int64 cu_seqlens; D and row strides multiples of 8 or not) and record their launches; both
+    variants launch the same kernels. Every int argument of the kernels is `do_not_specialize`, so only its width
+    (32 bit at any real size) enters a route, and small meta shapes stand for real ones."""
     if weight_dtype not in _WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {tuple(_WEIGHT_DTYPES)}, got {weight_dtype!r}")
     wdt = _WEIGHT_DTYPES[weight_dtype]
-    cfgs = configs.CONFIGS["sm_90a"]
-    bf = torch.bfloat16
-    out = []
-    for W in (2, 3, 4):
-        for cu in (None, torch.int32, torch.int64):
-            has_cu = cu is not None
-            for align in (1, 8):
-                for act in (0, 1):
-                    out.append(build.Route(
-                        kernels.conv1d_fwd_kernel, (bf, wdt, bf, cu, 4096, 64, 64, 64, 8, 4), (1, 1),
-                        _meta(W, act, has_cu, align, cfgs["fwd"]),
-                        f"fwd[W={W},act={act},cu={str(cu)[6:] or 'none'},align={align}]"))
-                for act_mode in (0, 1, 2):
-                    out.append(build.Route(
-                        kernels.conv1d_bwd_kernel,
-                        (bf, wdt, bf, bf, torch.float32, cu, 4096, 64, 64, 64, 64, 64, 8, 4), (1, 1),
-                        _meta(W, act_mode, has_cu, align, cfgs["bwd"]),
-                        f"bwd[W={W},act={act_mode},cu={str(cu)[6:] or 'none'},align={align}]"))
-        out.append(build.Route(kernels.dw_reduce_kernel, (torch.float32, wdt, 64, 512, 64), (1, 1),
-                               _red_meta(W, cfgs["red"]), f"dw_reduce[W={W}]"))
-    return out
+    arch = build.INTERPRETER_ARCH if build.INTERPRET else build.device_arch()
+    meta = dict(device="meta")
+    T = 64
+    layouts = (torch.empty(T, 64, dtype=torch.bfloat16, **meta),  # aligned: D and row stride multiples of 8
+               torch.empty(T, 60, dtype=torch.bfloat16, **meta),  # D % 8 != 0
+               torch.empty(T, 68, dtype=torch.bfloat16, **meta)[:, :64])  # a column slice, row stride 68
+    with collect_routes(arch) as rs:
+        for W in (2, 3, 4):
+            for cu_dtype in (None, torch.int32, torch.int64):
+                cu = None if cu_dtype is None else torch.empty(4, dtype=cu_dtype, **meta)
+                for x in layouts:
+                    w = torch.empty(x.shape[1], W, dtype=wdt, **meta)
+                    for act_mode in (0, 1, 2):
+                        conv1d_forward(x, w, cu, min(act_mode, 1))
+                        conv1d_backward(x, x, w, cu, act_mode)
+    return rs.routes
