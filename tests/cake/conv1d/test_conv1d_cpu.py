@@ -124,13 +124,13 @@ def test_silu_grad_preactivation_option():
 
 def test_backward_runs_the_forward_variant_and_option(monkeypatch):
     seen = []
-    real = ops.conv1d_backward
+    real = ops.CONV1D.backward
 
     def spy(dy, x, w, cu, act_mode, variant):
         seen.append((act_mode, variant))
         return real(dy, x, w, cu, act_mode, variant)
 
-    monkeypatch.setattr(ops, "conv1d_backward", spy)
+    monkeypatch.setattr(ops.CONV1D, "backward", spy)
     x, w, dy = make(12, 8, 4, seed=4)
     for fwd_cfg, bwd_cfg, want in (
             (dict(conv1d_variant="det"), dict(conv1d_variant="fast"), (1, "det")),
@@ -142,6 +142,22 @@ def test_backward_runs_the_forward_variant_and_option(monkeypatch):
         mek.configure(**bwd_cfg)
         y.backward(dy)
         assert seen[-1] == want
+
+
+def test_eager_calls_skip_the_custom_ops_and_no_grad_skips_autograd(monkeypatch):
+    """Eager calls run the launchers directly (a custom-op dispatch costs host time); a call with no input that
+    needs a gradient runs the forward launcher alone. The custom ops exist for torch.compile under the uniform
+    names."""
+    assert torch.ops.miles_ext_kernels.conv1d_fwd.default is not None
+    assert torch.ops.miles_ext_kernels.conv1d_bwd.default is not None
+    x, w, dy = make(12, 8, 4, seed=8)
+    want = run(x, w, dy, None)
+    for name in ("forward_op", "backward_op"):
+        monkeypatch.setattr(ops.CONV1D, name, lambda *a: pytest.fail("custom op dispatched in eager mode"))
+    for p, q in zip(run(x, w, dy, None), want):
+        assert torch.equal(p, q)
+    y = conv1d.causal_conv1d(x, w)
+    assert y.grad_fn is None and torch.equal(y, want[0])
 
 
 def test_det_repeats_and_fast_agrees():

@@ -1,27 +1,28 @@
-"""conv1d: checks, launchers, autograd and torch.library registration.
+"""conv1d: operand checks, launchers, autograd.
 
-Layers: kernels (kernels.py) -> launchers `_fwd` / `_bwd` (allocate, pick the config, build the grid; no autograd)
--> eager: `_Conv1dFn` (torch.autograd.Function); under torch.compile: custom ops
-`miles_ext_kernels::cake_conv1d_fwd` / `cake_conv1d_bwd` (+ fake kernels) with `register_autograd`, so a fullgraph
-trace sees one opaque op (the custom-op dispatch costs host time eager calls need not pay) -> `causal_conv1d`.
-The variant and the silu-grad option are read when the forward runs and saved for the backward (under
-torch.compile: when the graph is traced).
+Forward: one launch (y). Backward: one launch (dx, and fp32 dw partials per token block), then the fixed-order dw
+reduction. Both variants launch the same kernels, so `fast` is `det`. Launch configs: configs.py (fixed per arch).
+Every launch goes through `_runtime.launch.launch`; `routes()` runs these launchers on meta tensors, so prebuild
+compiles exactly what they launch. Autograd and the custom ops `miles_ext_kernels::conv1d_fwd` / `conv1d_bwd`:
+`_runtime.autograd.KernelOp`. The variant and the SiLU-grad option are read when the forward runs; its backward
+runs what it read.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from ..._runtime import build, checks, config, workspace
-from ..._runtime.launch import arch_of, collect_routes, launch
-from ..._runtime.operands import operand
+from miles_ext_kernels.cake._runtime import build, checks, config, workspace
+from miles_ext_kernels.cake._runtime.autograd import KernelOp
+from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
+from miles_ext_kernels.cake._runtime.operands import operand
+from miles_ext_kernels.cake.conv1d import OP as SPEC
+from miles_ext_kernels.cake.conv1d import WEIGHT_DTYPES, WIDTHS  # the declaration owns what is served
+
 from . import configs, kernels
 
-OP = "conv1d"
-
-_WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+OP = SPEC.name
 _ACT_NAMES = {None: 0, "silu": 1, "swish": 1}
 
 
@@ -45,32 +46,34 @@ def _align(D: int, *strides: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
-@build.on_input_device
-def conv1d_forward(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act: int,
-                   variant: str = "det") -> torch.Tensor:
-    """y [T, D] (x's dtype, contiguous) of x [T, D], weight [D, W], cu_seqlens [N + 1] or None; act: 0 none,
-    1 SiLU. Operands already checked."""
+def conv1d_forward(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act_mode: int,
+                   variant: str = "det") -> tuple[torch.Tensor]:
+    """(y,): y [T, D] (x's dtype, contiguous) of x [T, D], weight [D, W], cu_seqlens [N + 1] or None. act_mode:
+    0 no activation, 1 or 2 SiLU (the forward is the same; the backward's SiLU' differs, see `conv1d_backward`).
+    Operands already checked."""
     T, D = x.shape
     W = weight.shape[1]
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
     if T == 0 or D == 0:
-        return y
+        return (y,)
     cfg = configs.CONFIGS[arch_of(x, "x")]["fwd"]
     x, w, cu, n_seq, n_iter = _operands(x, weight, cu_seqlens)
     sx = x.stride(0) if T > 1 else D
     al = _align(D, sx)
     launch(kernels.conv1d_fwd_kernel, (build.cdiv(T, cfg["CHUNK"]), build.cdiv(D, cfg["BLOCK_D"])), x_ptr=x,
            w_ptr=w, y_ptr=y, cu_ptr=cu, T=T, D_a=D // al, sx_a=sx // al, sy_a=D // al, n_seq=n_seq, n_iter=n_iter,
-           W=W, ACT=act, HAS_CU=cu is not None, ALIGN=al, **cfg)
-    return y
+           W=W, ACT=min(act_mode, 1), HAS_CU=cu is not None, ALIGN=al, **cfg)
+    return (y,)
 
 
-@build.on_input_device
-def conv1d_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-                    act_mode: int, variant: str = "det") -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [T, D] in x's dtype, dw [D, W] in weight's dtype), both contiguous. act_mode: 0 no activation, 1 SiLU'
-    at the bf16-rounded pre-activation, 2 at the exact fp32 one. Both variants run these kernels: dw partials per
-    token block, reduced in a fixed order (fp32 atomics into [D, W] were measured slower on the H200)."""
+def conv1d_backward(dy: Optional[torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+                    cu_seqlens: Optional[torch.Tensor], act_mode: int, variant: str = "det"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [T, D] in x's dtype, dw [D, W] in weight's dtype), both contiguous, from dy [T, D] (None: no gradient
+    reached y, taken as zeros). act_mode: 0 no activation, 1 SiLU' at the pre-activation rounded to bf16, 2 at the
+    exact fp32 one (the pre-activation is recomputed from x and weight). Both variants run these kernels: dw
+    partials per token block, reduced in a fixed order (fp32 atomics into [D, W] were measured slower on the
+    H200)."""
     T, D = x.shape
     W = weight.shape[1]
     dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
@@ -78,6 +81,8 @@ def conv1d_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_
         return dx, torch.zeros_like(weight, memory_format=torch.contiguous_format)
     cfgs = configs.CONFIGS[arch_of(x, "x")]
     cfg, red = cfgs["bwd"], cfgs["red"]
+    if dy is None:
+        dy = torch.zeros((T, D), dtype=x.dtype, device=x.device)
     dy = operand(dy.to(x.dtype), OP, "dy")
     x, w, cu, n_seq, n_iter = _operands(x, weight, cu_seqlens)
     sx = x.stride(0) if T > 1 else D
@@ -95,76 +100,31 @@ def conv1d_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_
     return dx, dw
 
 
-# ---------------------------------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("miles_ext_kernels::cake_conv1d_fwd", mutates_args=())
-def _fwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act: int) -> torch.Tensor:
-    return conv1d_forward(x, weight, cu_seqlens, act)
+# ---------------------------------------------------------------------------------------------------- autograd
+def _forward_fake(x, weight, cu_seqlens, act_mode, variant="det"):
+    return (x.new_empty(x.shape),)
 
 
-@_fwd_op.register_fake
-def _(x, weight, cu_seqlens, act):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("miles_ext_kernels::cake_conv1d_bwd", mutates_args=())
-def _bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-            act_mode: int, det: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return conv1d_backward(dy, x, weight, cu_seqlens, act_mode, "det" if det else "fast")
-
-
-@_bwd_op.register_fake
-def _(dy, x, weight, cu_seqlens, act_mode, det):
+def _backward_fake(dy, x, weight, cu_seqlens, act_mode, variant="det"):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
-def _modes(act: int):
-    """(det, act_mode) configured now: read when a forward runs; its backward runs what it read."""
-    det = config.variant(OP) == "det"
-    if not act:
-        return det, 0
-    return det, 2 if config.option(OP, "silu_grad_preactivation") == "fp32" else 1
+def _setup(inputs, res):
+    x, weight, cu_seqlens, act_mode, variant = inputs
+    return (x, weight, cu_seqlens), (act_mode, variant)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, cu_seqlens, act = inputs
-    ctx.save_for_backward(x, weight, cu_seqlens)
-    ctx.det, ctx.act_mode = _modes(act)
-
-
-def _backward(ctx, dy):
-    x, weight, cu_seqlens = ctx.saved_tensors
-    dx, dw = _bwd_op(dy, x, weight, cu_seqlens, ctx.act_mode, ctx.det)
-    return dx, dw, None, None
-
-
-torch.library.register_autograd("miles_ext_kernels::cake_conv1d_fwd", _backward, setup_context=_setup_context)
-
-
-class _Conv1dFn(torch.autograd.Function):
-    """The eager path: the same launchers as the custom ops, without the custom-op dispatch."""
-
-    @staticmethod
-    def forward(ctx, x, weight, cu_seqlens, act, det, act_mode):
-        ctx.save_for_backward(x, weight, cu_seqlens)
-        ctx.det, ctx.act_mode = det, act_mode
-        return conv1d_forward(x, weight, cu_seqlens, act)
-
-    @staticmethod
-    @once_differentiable  # a second derivative raises instead of silently carrying no history
-    def backward(ctx, dy):
-        x, weight, cu_seqlens = ctx.saved_tensors
-        dx, dw = conv1d_backward(dy, x, weight, cu_seqlens, ctx.act_mode, "det" if ctx.det else "fast")
-        return dx, dw, None, None, None, None
+CONV1D = KernelOp(OP, forward=conv1d_forward, forward_fake=_forward_fake, setup=_setup, backward=conv1d_backward,
+                  backward_fake=_backward_fake, grad_inputs=(0, 1))
 
 
 # ---------------------------------------------------------------------------------------------------- public
-def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
-    """See `miles_ext_kernels.cake.conv1d.causal_conv1d`."""
+def _check(x, weight, cu_seqlens, activation) -> None:
     checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, last_stride_one=True)
     checks.check_tensor("weight", weight, dtype=(torch.float32, torch.bfloat16), ndim=2, device=x.device)
     if weight.shape[0] != x.shape[1]:
         raise ValueError(f"weight must be [D, W] with D = x.shape[1] = {x.shape[1]}, got {tuple(weight.shape)}")
-    if weight.shape[1] not in (2, 3, 4):
+    if weight.shape[1] not in WIDTHS:
         raise ValueError(f"weight width W must be 2, 3 or 4, got {weight.shape[1]}")
     if cu_seqlens is not None:
         checks.check_tensor("cu_seqlens", cu_seqlens, dtype=(torch.int32, torch.int64), ndim=1, device=x.device)
@@ -173,25 +133,31 @@ def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
     if not (activation is None or isinstance(activation, str)) or activation not in _ACT_NAMES:
         raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
     build.check_device(x, "x")
-    act = _ACT_NAMES[activation]
-    if torch.compiler.is_compiling():
-        return _fwd_op(x, weight, cu_seqlens, act)
-    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return conv1d_forward(x, weight, cu_seqlens, act)
-    det, act_mode = _modes(act)
-    return _Conv1dFn.apply(x, weight, cu_seqlens, act, det, act_mode)
+
+
+def _act_mode(activation) -> int:
+    """0 no activation; SiLU: 2 when the silu_grad_preactivation option configured now is fp32, else 1."""
+    if not _ACT_NAMES[activation]:
+        return 0
+    return 2 if config.option(OP, "silu_grad_preactivation") == "fp32" else 1
+
+
+def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
+    """See `miles_ext_kernels.cake.conv1d.causal_conv1d`."""
+    _check(x, weight, cu_seqlens, activation)
+    return CONV1D(x, weight, cu_seqlens, _act_mode(activation))
 
 
 # ---------------------------------------------------------------------------------------------------- routes
 def routes(*, weight_dtype: str):
     """Every kernel specialization a call with a `weight_dtype` ("float32" / "bfloat16") weight can launch: the
-    launchers above run on meta tensors over every flag (W 2..4; no activation, SiLU with either SiLU-grad mode;
-    no / int32 / int64 cu_seqlens; D and row strides multiples of 8 or not) and record their launches; both
-    variants launch the same kernels. Every int argument of the kernels is `do_not_specialize`, so only its width
-    (32 bit at any real size) enters a route, and small meta shapes stand for real ones."""
-    if weight_dtype not in _WEIGHT_DTYPES:
-        raise ValueError(f"weight_dtype must be one of {tuple(_WEIGHT_DTYPES)}, got {weight_dtype!r}")
-    wdt = _WEIGHT_DTYPES[weight_dtype]
+    launchers above run on meta tensors over every flag (both variants; W 2..4; no activation, SiLU with either
+    SiLU-grad mode; no / int32 / int64 cu_seqlens; D and row strides multiples of 8 or not) and record their
+    launches. Every int argument of the kernels is `do_not_specialize`, so only its width (32 bit at any real size)
+    enters a route, and small meta shapes stand for real ones."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+    wdt = getattr(torch, weight_dtype)
     arch = build.INTERPRETER_ARCH if build.INTERPRET else build.device_arch()
     meta = dict(device="meta")
     T = 64
@@ -199,12 +165,13 @@ def routes(*, weight_dtype: str):
                torch.empty(T, 60, dtype=torch.bfloat16, **meta),  # D % 8 != 0
                torch.empty(T, 68, dtype=torch.bfloat16, **meta)[:, :64])  # a column slice, row stride 68
     with collect_routes(arch) as rs:
-        for W in (2, 3, 4):
+        for W in WIDTHS:
             for cu_dtype in (None, torch.int32, torch.int64):
                 cu = None if cu_dtype is None else torch.empty(4, dtype=cu_dtype, **meta)
                 for x in layouts:
                     w = torch.empty(x.shape[1], W, dtype=wdt, **meta)
                     for act_mode in (0, 1, 2):
-                        conv1d_forward(x, w, cu, min(act_mode, 1))
-                        conv1d_backward(x, x, w, cu, act_mode)
+                        for variant in SPEC.variants:
+                            conv1d_forward(x, w, cu, act_mode, variant)
+                            conv1d_backward(x, x, w, cu, act_mode, variant)
     return rs.routes
