@@ -221,11 +221,28 @@ def test_torch_compile_fullgraph_traces():
     assert torch.equal(y, ye) and torch.equal(xr.grad, xe.grad) and torch.equal(wr.grad, we.grad)
 
 
-def test_routes_declared():
-    for wd in ("float32", "bfloat16"):
-        rs = routes(weight_dtype=wd)
-        labels = [r.label for r in rs]
-        assert len(labels) == len(set(labels)) == 3 * 3 * 2 * (2 + 3) + 3  # W x cu (none, int32, int64) x align
+def test_routes_declared(monkeypatch):
+    """routes() runs the launchers on meta tensors over every flag and records their launches: per weight dtype
+    3 W x 3 cu_seqlens (none, int32, int64) x 2 alignments x (2 forward activations + 3 backward SiLU-grad modes)
+    + 3 dw reductions (one per W), for the interpreter's table here and for the shipped sm_90a table."""
+    from miles_ext_kernels.cake._runtime import build
+
+    for arch in ("interpreter", "sm_90a"):
+        if arch == "sm_90a":
+            monkeypatch.setattr(build, "INTERPRET", False)
+            monkeypatch.setattr(build, "device_arch", lambda *a: "sm_90a")
+        for wd in ("float32", "bfloat16"):
+            rs = routes(weight_dtype=wd)
+            labels = [r.label for r in rs]
+            assert len(labels) == len(set(labels)) == 3 * 3 * 2 * (2 + 3) + 3
+            kinds = [lab.split("[")[0] for lab in labels]
+            assert (kinds.count("conv1d_fwd_kernel"), kinds.count("conv1d_bwd_kernel"),
+                    kinds.count("dw_reduce_kernel")) == (36, 54, 3)
+            table = {"conv1d_fwd_kernel": "fwd", "conv1d_bwd_kernel": "bwd", "dw_reduce_kernel": "red"}
+            for r, kind in zip(rs, kinds):
+                cfg = configs.CONFIGS[arch][table[kind]]
+                assert all(r.args[k] == v for k, v in cfg.items())  # the table's constexprs and launch options
+                assert r.args["w_ptr" if "w_ptr" in r.args else "dw_ptr"] == getattr(torch, wd)
     with pytest.raises(ValueError, match="weight_dtype"):
         routes(weight_dtype="float16")
 
