@@ -134,29 +134,41 @@ BWD_CANDIDATES = [dict(BLOCK_D=256, CHUNK=128, ROWS=8, num_warps=1), dict(BLOCK_
                   dict(BLOCK_D=128, CHUNK=128, ROWS=4, num_warps=1)]
 
 
+def candidate_routes(shipped):
+    """The routes the sweep's calls launch with each candidate config (W 4, SiLU, bf16 weight, aligned, with and
+    without cu_seqlens): the launchers run on meta tensors under collect_routes, as `ops.routes` does."""
+    from miles_ext_kernels.cake._runtime.launch import collect_routes
+
+    meta = dict(device="meta")
+    x = torch.empty(4096, 64, dtype=torch.bfloat16, **meta)
+    w = torch.empty(64, W, dtype=torch.bfloat16, **meta)
+    try:
+        with collect_routes("sm_90a") as rs:
+            for kind, cands in (("fwd", FWD_CANDIDATES), ("bwd", BWD_CANDIDATES)):
+                for c in cands:
+                    configs.CONFIGS["sm_90a"] = dict(shipped, **{kind: dict(c, num_stages=1)})
+                    for cu in (None, torch.empty(17, dtype=torch.int32, **meta)):
+                        if kind == "fwd":
+                            ops.conv1d_forward(x, w, cu, 1)
+                        else:
+                            ops.conv1d_backward(x, x, w, cu, 1)
+    finally:
+        configs.CONFIGS["sm_90a"] = shipped
+    return rs.routes
+
+
 def run_sweep():
     """Time block configs of our det kernels on 16x2048 (bf16 weight) and keep the fastest fwd and bwd for the
     rest of the run (and in the JSON); candidates are compiled in parallel first."""
     from miles_ext_kernels.cake._runtime import build
 
-    cfgs = configs.CONFIGS["sm_90a"]
-    bf = torch.bfloat16
-    routes = []
-    for has_cu in (True, False):
-        cu_t = torch.int32 if has_cu else None
-        for c in FWD_CANDIDATES:
-            routes.append(build.Route(ops.kernels.conv1d_fwd_kernel, (bf, bf, bf, cu_t, 4096, 64, 64, 64, 8, 4), (1, 1),
-                                      ops._fwd_meta(W, 1, has_cu, 8, dict(c, num_stages=1)), "f"))
-        for c in BWD_CANDIDATES:
-            routes.append(build.Route(ops.kernels.conv1d_bwd_kernel,
-                                      (bf, bf, bf, bf, torch.float32, cu_t, 4096, 64, 64, 64, 64, 64, 8, 4), (1, 1),
-                                      ops._bwd_meta(W, 1, has_cu, 8, dict(c, num_stages=1)), "b"))
+    shipped = {k: dict(v) for k, v in configs.CONFIGS["sm_90a"].items()}
+    routes = candidate_routes(shipped)
     t0 = time.time()
     build._compile_all(routes, None)
     print(f"sweep: compiled {len(routes)} candidates in {time.time() - t0:.0f} s", flush=True)
     x, w, dy, cu = make([2048] * 16, torch.bfloat16)
     T = x.shape[0]
-    shipped = {k: dict(v) for k, v in cfgs.items()}
     out, best = [], {}
     for kind, cands in (("fwd", FWD_CANDIDATES), ("bwd", BWD_CANDIDATES)):
         for c in cands:
