@@ -94,6 +94,9 @@ def conv1d_backward(dy: Optional[torch.Tensor], x: torch.Tensor, weight: torch.T
     launch(kernels.conv1d_bwd_kernel, (n_blocks, build.cdiv(D, cfg["BLOCK_D"])), x_ptr=x, w_ptr=w, dy_ptr=dy,
            dx_ptr=dx, dw_ptr=part, cu_ptr=cu, T=T, D_a=D // al, sx_a=sx // al, sdy_a=sdy // al, sdx_a=D // al,
            Dp_a=Dp // 8, n_seq=n_seq, n_iter=n_iter, W=W, ACT=act_mode, HAS_CU=cu is not None, ALIGN=al, **cfg)
+    # Not _runtime/reduce.py's reduce_columns: a [n_blocks, W * Dp] view of the partials has its columns in [W, Dp]
+    # order, not dw's [D, W] (a transposing copy would be one more launch), and it sums 32 rows per step where the
+    # table says BLOCK_P (another summation order, other bits; bench/NOTES.md, conv1d).
     dw = torch.empty((D, W), dtype=weight.dtype, device=x.device)
     launch(kernels.dw_reduce_kernel, (build.cdiv(D, red["BLOCK_D"]), W), part_ptr=part, dw_ptr=dw, n_part=n_blocks,
            D=D, Dp_a=Dp // 8, W=W, **red)
