@@ -144,22 +144,22 @@ BWD_CANDIDATES = [
 
 def sweep(write_config: bool):
     """INTERNAL CONFIG TABLE (tuning only): time block configs of our det kernels on 16x2048 (bf16 weight) by
-    overriding `_impl/conv1d/ops._CONFIGS["sm_90a"]`, keep the fastest fwd and bwd for the rest of the run (and
+    overriding `_impl/conv1d/configs.CONFIGS["sm_90a"]`, keep the fastest fwd and bwd for the rest of the run (and
     in the JSON; $BENCH_OUT/picked.json), and with `write_config` rewrite the sm_90a "fwd" / "bwd" lines of that
-    table in ops.py. Device time, through the public entry point; each candidate compiles on its first call."""
+    table in configs.py. Device time, through the public entry point; each candidate compiles on its first call."""
     import re
 
     import miles_ext_kernels as mek
-    from miles_ext_kernels.cake._impl.conv1d import ops
+    from miles_ext_kernels.cake._impl.conv1d import configs
 
     p = {"lens": [2048] * 16, "T": 32768, "D": D, "W": W, "wdt": "bfloat16"}
     x = inputs(p, "cuda")
-    shipped = {k: dict(v) for k, v in ops._CONFIGS["sm_90a"].items()}
+    shipped = {k: dict(v) for k, v in configs.CONFIGS["sm_90a"].items()}
     out, best = [], {}
     mek.configure(conv1d_variant="det")
     for kind, cands in (("fwd", FWD_CANDIDATES), ("bwd", BWD_CANDIDATES)):
         for c in cands:
-            ops._CONFIGS["sm_90a"] = dict(shipped, **{kind: dict(c, num_stages=1)})
+            configs.CONFIGS["sm_90a"] = dict(shipped, **{kind: dict(c, num_stages=1)})
             ms = device_ms(Timed(ours(x, p)).builder(kind), rep=30)
             nbytes = io_bytes(p, kind)
             out.append(dict(kind=kind, **c, ms=ms, tbps=nbytes / ms / 1e9))
@@ -168,12 +168,12 @@ def sweep(write_config: bool):
                 best[kind] = (ms, dict(c, num_stages=1))
     mek.configure()
     picked = dict(shipped, fwd=best["fwd"][1], bwd=best["bwd"][1])
-    ops._CONFIGS["sm_90a"] = picked
+    configs.CONFIGS["sm_90a"] = picked
     print("picked", picked, flush=True)
     if os.environ.get("BENCH_OUT"):
         Path(os.environ["BENCH_OUT"], "picked.json").write_text(json.dumps(picked))
     if write_config:
-        path = Path(ops.__file__)
+        path = Path(configs.__file__)
         src = path.read_text()
         for kind in ("fwd", "bwd"):
             c = picked[kind]
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="first time alternative block configs and keep the fastest")
     ap.add_argument("--prebuild", action="store_true", help="prebuild every route first (fills the cache)")
     ap.add_argument("--write-config", action="store_true",
-                    help="with --sweep: write the picked sm_90a fwd/bwd configs into _impl/conv1d/ops.py")
+                    help="with --sweep: write the picked sm_90a fwd/bwd configs into _impl/conv1d/configs.py")
     args = ap.parse_args(argv)
     args.skip += "".join((",fla causal_conv1d" if args.no_fla else "", ",torch F.conv1d/doc" if args.no_torch else ""))
     if args.prebuild and not args.dry_run:

@@ -8,8 +8,8 @@ variable-length documents, forward and backward. Selected by `--linear-attention
 where rows before the start of the token's document count as zero.
 
 Variants: `det` (y, dx and dw repeat bit for bit: dw is reduced over token blocks in a fixed order) and `fast`,
-which today runs the same kernels (an fp32-atomic dw reduction was measured slower than the fixed-order one on the
-H200), so both give the same bits.
+which runs the same kernels (an fp32-atomic dw reduction was measured slower than the fixed-order one on the H200),
+so both give the same bits.
 Option `--cake-conv1d-silu-grad-preactivation {bf16,fp32}` (default bf16): the backward recomputes the
 pre-activation from x and weight in fp32; with `bf16` it evaluates SiLU' at that value rounded to bf16 (what
 PyTorch's eager `silu(conv1d(x))` in bf16 does, since autograd saves the bf16 conv output), with `fp32` at the

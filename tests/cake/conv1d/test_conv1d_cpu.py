@@ -8,7 +8,7 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import conv1d
-from miles_ext_kernels.cake._impl.conv1d import demo, ops, routes
+from miles_ext_kernels.cake._impl.conv1d import configs, demo, ops, routes
 from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_grads
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
 
@@ -68,8 +68,8 @@ def test_against_fp64_reference(case):
 
 def test_four_rows_per_step_configs(monkeypatch):
     """The kernels also run ROWS=4 (the shipped configs use 8): same results as the reference."""
-    cfg = ops._CONFIGS["interpreter"]
-    monkeypatch.setitem(ops._CONFIGS, "interpreter", dict(cfg, fwd=dict(cfg["fwd"], ROWS=4, CHUNK=4),
+    cfg = configs.CONFIGS["interpreter"]
+    monkeypatch.setitem(configs.CONFIGS, "interpreter", dict(cfg, fwd=dict(cfg["fwd"], ROWS=4, CHUNK=4),
                                                           bwd=dict(cfg["bwd"], ROWS=4, CHUNK=8)))
     x, w, dy = make(23, 16, 4, seed=9)
     cu = torch.tensor([0, 3, 4, 13, 23], dtype=torch.int32)
@@ -124,17 +124,17 @@ def test_silu_grad_preactivation_option():
 
 def test_backward_runs_the_forward_variant_and_option(monkeypatch):
     seen = []
-    real = ops._bwd
+    real = ops.CONV1D.backward
 
-    def spy(dy, x, w, cu, act_mode, det):
-        seen.append((act_mode, det))
-        return real(dy, x, w, cu, act_mode, det)
+    def spy(dy, x, w, cu, act_mode, variant):
+        seen.append((act_mode, variant))
+        return real(dy, x, w, cu, act_mode, variant)
 
-    monkeypatch.setattr(ops, "_bwd", spy)
+    monkeypatch.setattr(ops.CONV1D, "backward", spy)
     x, w, dy = make(12, 8, 4, seed=4)
     for fwd_cfg, bwd_cfg, want in (
-            (dict(conv1d_variant="det"), dict(conv1d_variant="fast"), (1, True)),
-            (dict(conv1d_variant="fast", conv1d_silu_grad_preactivation="fp32"), dict(), (2, False))):
+            (dict(conv1d_variant="det"), dict(conv1d_variant="fast"), (1, "det")),
+            (dict(conv1d_variant="fast", conv1d_silu_grad_preactivation="fp32"), dict(), (2, "fast"))):
         xr = x.detach().requires_grad_(True)
         wr = w.detach().requires_grad_(True)
         mek.configure(**fwd_cfg)
@@ -142,6 +142,22 @@ def test_backward_runs_the_forward_variant_and_option(monkeypatch):
         mek.configure(**bwd_cfg)
         y.backward(dy)
         assert seen[-1] == want
+
+
+def test_eager_calls_skip_the_custom_ops_and_no_grad_skips_autograd(monkeypatch):
+    """Eager calls run the launchers directly (a custom-op dispatch costs host time); a call with no input that
+    needs a gradient runs the forward launcher alone. The custom ops exist for torch.compile under the uniform
+    names."""
+    assert torch.ops.miles_ext_kernels.conv1d_fwd.default is not None
+    assert torch.ops.miles_ext_kernels.conv1d_bwd.default is not None
+    x, w, dy = make(12, 8, 4, seed=8)
+    want = run(x, w, dy, None)
+    for name in ("forward_op", "backward_op"):
+        monkeypatch.setattr(ops.CONV1D, name, lambda *a: pytest.fail("custom op dispatched in eager mode"))
+    for p, q in zip(run(x, w, dy, None), want):
+        assert torch.equal(p, q)
+    y = conv1d.causal_conv1d(x, w)
+    assert y.grad_fn is None and torch.equal(y, want[0])
 
 
 def test_det_repeats_and_fast_agrees():
@@ -173,7 +189,7 @@ def test_det_repeats_and_fast_agrees():
     (lambda x, w, cu: (x, w, cu.to("meta"), "silu"), ValueError, "^cu_seqlens must be on cpu, got meta"),
 ])
 def test_bad_input_raises_before_launch(bad, exc, word, monkeypatch):
-    monkeypatch.setattr(ops, "_fwd", lambda *a: pytest.fail("launched"))
+    monkeypatch.setattr(ops, "launch", lambda *a, **k: pytest.fail("launched"))
     x, w, _ = make(8, 8, 4)
     args = bad(x, w, torch.tensor([0, 8], dtype=torch.int32))
     with pytest.raises(exc, match=word):
@@ -205,11 +221,28 @@ def test_torch_compile_fullgraph_traces():
     assert torch.equal(y, ye) and torch.equal(xr.grad, xe.grad) and torch.equal(wr.grad, we.grad)
 
 
-def test_routes_declared():
-    for wd in ("float32", "bfloat16"):
-        rs = routes(weight_dtype=wd)
-        labels = [r.label for r in rs]
-        assert len(labels) == len(set(labels)) == 3 * 3 * 2 * (2 + 3) + 3  # W x cu (none, int32, int64) x align
+def test_routes_declared(monkeypatch):
+    """routes() runs the launchers on meta tensors over every flag and records their launches: per weight dtype
+    3 W x 3 cu_seqlens (none, int32, int64) x 2 alignments x (2 forward activations + 3 backward SiLU-grad modes)
+    + 3 dw reductions (one per W), for the interpreter's table here and for the shipped sm_90a table."""
+    from miles_ext_kernels.cake._runtime import build
+
+    for arch in ("interpreter", "sm_90a"):
+        if arch == "sm_90a":
+            monkeypatch.setattr(build, "INTERPRET", False)
+            monkeypatch.setattr(build, "device_arch", lambda *a: "sm_90a")
+        for wd in ("float32", "bfloat16"):
+            rs = routes(weight_dtype=wd)
+            labels = [r.label for r in rs]
+            assert len(labels) == len(set(labels)) == 3 * 3 * 2 * (2 + 3) + 3
+            kinds = [lab.split("[")[0] for lab in labels]
+            assert (kinds.count("conv1d_fwd_kernel"), kinds.count("conv1d_bwd_kernel"),
+                    kinds.count("dw_reduce_kernel")) == (36, 54, 3)
+            table = {"conv1d_fwd_kernel": "fwd", "conv1d_bwd_kernel": "bwd", "dw_reduce_kernel": "red"}
+            for r, kind in zip(rs, kinds):
+                cfg = configs.CONFIGS[arch][table[kind]]
+                assert all(r.args[k] == v for k, v in cfg.items())  # the table's constexprs and launch options
+                assert r.args["w_ptr" if "w_ptr" in r.args else "dw_ptr"] == getattr(torch, wd)
     with pytest.raises(ValueError, match="weight_dtype"):
         routes(weight_dtype="float16")
 

@@ -1,202 +1,133 @@
-"""conv1d: checks, launchers, autograd and torch.library registration.
+"""conv1d: operand checks, launchers, autograd.
 
-Layers: kernels (kernels.py) -> launchers `_fwd` / `_bwd` (allocate, pick the config, build the grid; no autograd)
--> eager: `_Conv1dFn` (torch.autograd.Function); under torch.compile: custom ops
-`miles_ext_kernels::cake_conv1d_fwd` / `cake_conv1d_bwd` (+ fake kernels) with `register_autograd`, so a fullgraph
-trace sees one opaque op (the custom-op dispatch costs host time eager calls need not pay) -> `causal_conv1d`.
-The variant and the silu-grad option are read when the forward runs and saved for the backward (under
-torch.compile: when the graph is traced).
+Forward: one launch (y). Backward: one launch (dx, and fp32 dw partials per token block), then the fixed-order dw
+reduction. Both variants launch the same kernels, so `fast` is `det`. Launch configs: configs.py (fixed per arch).
+Every launch goes through `_runtime.launch.launch`; `routes()` runs these launchers on meta tensors, so prebuild
+compiles exactly what they launch. Autograd and the custom ops `miles_ext_kernels::conv1d_fwd` / `conv1d_bwd`:
+`_runtime.autograd.KernelOp`. The variant and the SiLU-grad option are read when the forward runs; its backward
+runs what it read.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from ..._runtime import build, checks, config, workspace
-from . import kernels
+from miles_ext_kernels.cake._runtime import build, checks, config, workspace
+from miles_ext_kernels.cake._runtime.autograd import KernelOp
+from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
+from miles_ext_kernels.cake._runtime.operands import operand
+from miles_ext_kernels.cake.conv1d import OP as SPEC
+from miles_ext_kernels.cake.conv1d import WEIGHT_DTYPES, WIDTHS  # the declaration owns what is served
 
-OP = "conv1d"
+from . import configs, kernels
 
-# Fixed configs per arch (no autotuning: the same config, hence the same bits, in every process).
-# fwd / bwd: BLOCK_D channels x CHUNK tokens per program, ROWS rows loaded ahead; red: the dw reduction.
-# sm_90a: picked on the H200 by `python bench/conv1d.py --sweep` (bench/NOTES.md, conv1d).
-_CONFIGS = {
-    "sm_90a": {
-        "fwd": dict(BLOCK_D=128, CHUNK=64, ROWS=8, num_warps=1, num_stages=1),
-        "bwd": dict(BLOCK_D=128, CHUNK=256, ROWS=8, num_warps=1, num_stages=1),
-        "red": dict(BLOCK_P=16, BLOCK_D=256, num_warps=4, num_stages=1),
-    },
-    # CPU tests through the interpreter: small blocks, so tiny shapes still span several programs
-    "interpreter": {
-        "fwd": dict(BLOCK_D=32, CHUNK=8, ROWS=8, num_warps=1, num_stages=1),
-        "bwd": dict(BLOCK_D=32, CHUNK=16, ROWS=8, num_warps=1, num_stages=1),
-        "red": dict(BLOCK_P=4, BLOCK_D=32, num_warps=1, num_stages=1),
-    },
-}
-
-_WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+OP = SPEC.name
 _ACT_NAMES = {None: 0, "silu": 1, "swish": 1}
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """`t` if it starts 16-byte aligned (the compiled specializations assume it), else an aligned copy."""
-    if t.numel() and t.data_ptr() % 16:
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
-def _prep_cu(cu: Optional[torch.Tensor]):
-    if cu is None:
-        return None, 0, 0
-    if cu.stride(0) != 1:  # int32 or int64: the kernels load either
-        cu = cu.contiguous()
-    cu = _aligned(cu)
+def _operands(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
+    """(x, weight, cu_seqlens, n_seq, n_iter) as the kernels read them. x is read in place with any row stride (a
+    column slice of a packed projection: ALIGN=1 routes take strides that are not multiples of 8) once it starts
+    16-byte aligned, as the routes are compiled for aligned pointers; the weight and cu_seqlens (int32 or int64,
+    the kernels load either) are indexed densely."""
+    x = operand(x, OP, "x")
+    w = operand(weight, OP, "weight", contiguous=True)
+    if cu_seqlens is None:
+        return x, w, None, 0, 0
+    cu = operand(cu_seqlens, OP, "cu_seqlens", contiguous=True)
     n_seq = cu.numel() - 1
-    return cu, n_seq, max(1, n_seq.bit_length())
+    return x, w, cu, n_seq, max(1, n_seq.bit_length())
 
 
 def _align(D: int, *strides: int) -> int:
+    """ALIGN: 8 when D and the row strides allow 16-byte rows (the kernels see them divided by it and vectorize)."""
     return 8 if D % 8 == 0 and all(s % 8 == 0 for s in strides) else 1
 
 
-def _meta(W: int, act: int, has_cu: bool, align: int, cfg: dict) -> dict:
-    """Constexprs + launch options of a forward or backward launch (the backward's `act` is its SiLU-grad mode)."""
-    return dict(W=W, ACT=act, HAS_CU=has_cu, ALIGN=align, **cfg)
-
-
-def _red_meta(W: int, cfg: dict) -> dict:
-    return dict(W=W, **cfg)
-
-
 # ---------------------------------------------------------------------------------------------------- launchers
-@build.on_input_device
-def _fwd(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act: int) -> torch.Tensor:
+def conv1d_forward(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act_mode: int,
+                   variant: str = "det") -> tuple[torch.Tensor]:
+    """(y,): y [T, D] (x's dtype, contiguous) of x [T, D], weight [D, W], cu_seqlens [N + 1] or None. act_mode:
+    0 no activation, 1 or 2 SiLU (the forward is the same; the backward's SiLU' differs, see `conv1d_backward`).
+    Operands already checked."""
     T, D = x.shape
     W = weight.shape[1]
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
     if T == 0 or D == 0:
-        return y
-    x = _aligned(x)
-    w = _aligned(weight.contiguous())
-    cu, n_seq, n_iter = _prep_cu(cu_seqlens)
-    cfg = _CONFIGS[build.check_device(x, "x")]["fwd"]
+        return (y,)
+    cfg = configs.CONFIGS[arch_of(x, "x")]["fwd"]
+    x, w, cu, n_seq, n_iter = _operands(x, weight, cu_seqlens)
     sx = x.stride(0) if T > 1 else D
-    align = _align(D, sx)
-    grid = (build.cdiv(T, cfg["CHUNK"]), build.cdiv(D, cfg["BLOCK_D"]))
-    kernels.conv1d_fwd_kernel[grid](x, w, y, cu, T, D // align, sx // align, D // align, n_seq, n_iter,
-                                    **_meta(W, act, cu is not None, align, cfg))
-    return y
+    al = _align(D, sx)
+    launch(kernels.conv1d_fwd_kernel, (build.cdiv(T, cfg["CHUNK"]), build.cdiv(D, cfg["BLOCK_D"])), x_ptr=x,
+           w_ptr=w, y_ptr=y, cu_ptr=cu, T=T, D_a=D // al, sx_a=sx // al, sy_a=D // al, n_seq=n_seq, n_iter=n_iter,
+           W=W, ACT=min(act_mode, 1), HAS_CU=cu is not None, ALIGN=al, **cfg)
+    return (y,)
 
 
-@build.on_input_device
-def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-         act_mode: int, det: bool = True):
-    """dx, dw. Both variants (`det`) run these kernels: dw partials per token block, reduced in a fixed order
-    (fp32 atomics were measured slower on the H200), so fast and det give the same bits."""
+def conv1d_backward(dy: Optional[torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+                    cu_seqlens: Optional[torch.Tensor], act_mode: int, variant: str = "det"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [T, D] in x's dtype, dw [D, W] in weight's dtype), both contiguous, from dy [T, D] (None: no gradient
+    reached y, taken as zeros). act_mode: 0 no activation, 1 SiLU' at the pre-activation rounded to bf16, 2 at the
+    exact fp32 one (the pre-activation is recomputed from x and weight). Both variants run these kernels: dw
+    partials per token block, reduced in a fixed order (fp32 atomics into [D, W] were measured slower on the
+    H200)."""
     T, D = x.shape
     W = weight.shape[1]
     dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
     if T == 0 or D == 0:
         return dx, torch.zeros_like(weight, memory_format=torch.contiguous_format)
-    if dy.dtype != x.dtype:
-        dy = dy.to(x.dtype)
-    if dy.stride(-1) != 1:
-        dy = dy.contiguous()
-    dy = _aligned(dy)
-    x = _aligned(x)
-    w = _aligned(weight.contiguous())
-    cu, n_seq, n_iter = _prep_cu(cu_seqlens)
-    cfgs = _CONFIGS[build.check_device(x, "x")]
-    cfg = cfgs["bwd"]
+    cfgs = configs.CONFIGS[arch_of(x, "x")]
+    cfg, red = cfgs["bwd"], cfgs["red"]
+    if dy is None:
+        dy = torch.zeros((T, D), dtype=x.dtype, device=x.device)
+    dy = operand(dy.to(x.dtype), OP, "dy")
+    x, w, cu, n_seq, n_iter = _operands(x, weight, cu_seqlens)
     sx = x.stride(0) if T > 1 else D
     sdy = dy.stride(0) if T > 1 else D
-    align = _align(D, sx, sdy)
+    al = _align(D, sx, sdy)
     n_blocks = build.cdiv(T, cfg["CHUNK"])
-    grid = (n_blocks, build.cdiv(D, cfg["BLOCK_D"]))
     Dp = build.cdiv(D, 8) * 8
     part = workspace.take((OP, "dw_partial"), n_blocks * W * Dp * 4, device=x.device).view(torch.float32)
-    kernels.conv1d_bwd_kernel[grid](x, w, dy, dx, part, cu, T, D // align, sx // align, sdy // align,
-                                    D // align, Dp // 8, n_seq, n_iter,
-                                    **_meta(W, act_mode, cu is not None, align, cfg))
+    launch(kernels.conv1d_bwd_kernel, (n_blocks, build.cdiv(D, cfg["BLOCK_D"])), x_ptr=x, w_ptr=w, dy_ptr=dy,
+           dx_ptr=dx, dw_ptr=part, cu_ptr=cu, T=T, D_a=D // al, sx_a=sx // al, sdy_a=sdy // al, sdx_a=D // al,
+           Dp_a=Dp // 8, n_seq=n_seq, n_iter=n_iter, W=W, ACT=act_mode, HAS_CU=cu is not None, ALIGN=al, **cfg)
+    # Not _runtime/reduce.py's reduce_columns: a [n_blocks, W * Dp] view of the partials has its columns in [W, Dp]
+    # order, not dw's [D, W] (a transposing copy would be one more launch), and it sums 32 rows per step where the
+    # table says BLOCK_P (another summation order, other bits; bench/NOTES.md, conv1d).
     dw = torch.empty((D, W), dtype=weight.dtype, device=x.device)
-    red = cfgs["red"]
-    kernels.dw_reduce_kernel[(build.cdiv(D, red["BLOCK_D"]), W)](part, dw, n_blocks, D, Dp // 8,
-                                                                  **_red_meta(W, red))
+    launch(kernels.dw_reduce_kernel, (build.cdiv(D, red["BLOCK_D"]), W), part_ptr=part, dw_ptr=dw, n_part=n_blocks,
+           D=D, Dp_a=Dp // 8, W=W, **red)
     return dx, dw
 
 
-# ---------------------------------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("miles_ext_kernels::cake_conv1d_fwd", mutates_args=())
-def _fwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor], act: int) -> torch.Tensor:
-    return _fwd(x, weight, cu_seqlens, act)
+# ---------------------------------------------------------------------------------------------------- autograd
+def _forward_fake(x, weight, cu_seqlens, act_mode, variant="det"):
+    return (x.new_empty(x.shape),)
 
 
-@_fwd_op.register_fake
-def _(x, weight, cu_seqlens, act):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("miles_ext_kernels::cake_conv1d_bwd", mutates_args=())
-def _bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-            act_mode: int, det: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _bwd(dy, x, weight, cu_seqlens, act_mode, det)
-
-
-@_bwd_op.register_fake
-def _(dy, x, weight, cu_seqlens, act_mode, det):
+def _backward_fake(dy, x, weight, cu_seqlens, act_mode, variant="det"):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
-def _modes(act: int):
-    """(det, act_mode) configured now: read when a forward runs; its backward runs what it read."""
-    det = config.variant(OP) == "det"
-    if not act:
-        return det, 0
-    return det, 2 if config.option(OP, "silu_grad_preactivation") == "fp32" else 1
+def _setup(inputs, res):
+    x, weight, cu_seqlens, act_mode, variant = inputs
+    return (x, weight, cu_seqlens), (act_mode, variant)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, cu_seqlens, act = inputs
-    ctx.save_for_backward(x, weight, cu_seqlens)
-    ctx.det, ctx.act_mode = _modes(act)
-
-
-def _backward(ctx, dy):
-    x, weight, cu_seqlens = ctx.saved_tensors
-    dx, dw = _bwd_op(dy, x, weight, cu_seqlens, ctx.act_mode, ctx.det)
-    return dx, dw, None, None
-
-
-torch.library.register_autograd("miles_ext_kernels::cake_conv1d_fwd", _backward, setup_context=_setup_context)
-
-
-class _Conv1dFn(torch.autograd.Function):
-    """The eager path: the same launchers as the custom ops, without the custom-op dispatch."""
-
-    @staticmethod
-    def forward(ctx, x, weight, cu_seqlens, act, det, act_mode):
-        ctx.save_for_backward(x, weight, cu_seqlens)
-        ctx.det, ctx.act_mode = det, act_mode
-        return _fwd(x, weight, cu_seqlens, act)
-
-    @staticmethod
-    @once_differentiable  # a second derivative raises instead of silently carrying no history
-    def backward(ctx, dy):
-        x, weight, cu_seqlens = ctx.saved_tensors
-        dx, dw = _bwd(dy, x, weight, cu_seqlens, ctx.act_mode, ctx.det)
-        return dx, dw, None, None, None, None
+CONV1D = KernelOp(OP, forward=conv1d_forward, forward_fake=_forward_fake, setup=_setup, backward=conv1d_backward,
+                  backward_fake=_backward_fake, grad_inputs=(0, 1))
 
 
 # ---------------------------------------------------------------------------------------------------- public
-def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
-    """See `miles_ext_kernels.cake.conv1d.causal_conv1d`."""
+def _check(x, weight, cu_seqlens, activation) -> None:
     checks.check_tensor("x", x, dtype=torch.bfloat16, ndim=2, last_stride_one=True)
     checks.check_tensor("weight", weight, dtype=(torch.float32, torch.bfloat16), ndim=2, device=x.device)
     if weight.shape[0] != x.shape[1]:
         raise ValueError(f"weight must be [D, W] with D = x.shape[1] = {x.shape[1]}, got {tuple(weight.shape)}")
-    if weight.shape[1] not in (2, 3, 4):
+    if weight.shape[1] not in WIDTHS:
         raise ValueError(f"weight width W must be 2, 3 or 4, got {weight.shape[1]}")
     if cu_seqlens is not None:
         checks.check_tensor("cu_seqlens", cu_seqlens, dtype=(torch.int32, torch.int64), ndim=1, device=x.device)
@@ -205,41 +136,45 @@ def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
     if not (activation is None or isinstance(activation, str)) or activation not in _ACT_NAMES:
         raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
     build.check_device(x, "x")
-    act = _ACT_NAMES[activation]
-    if torch.compiler.is_compiling():
-        return _fwd_op(x, weight, cu_seqlens, act)
-    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return _fwd(x, weight, cu_seqlens, act)
-    det, act_mode = _modes(act)
-    return _Conv1dFn.apply(x, weight, cu_seqlens, act, det, act_mode)
+
+
+def _act_mode(activation) -> int:
+    """0 no activation; SiLU: 2 when the silu_grad_preactivation option configured now is fp32, else 1."""
+    if not _ACT_NAMES[activation]:
+        return 0
+    return 2 if config.option(OP, "silu_grad_preactivation") == "fp32" else 1
+
+
+def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
+    """See `miles_ext_kernels.cake.conv1d.causal_conv1d`."""
+    _check(x, weight, cu_seqlens, activation)
+    return CONV1D(x, weight, cu_seqlens, _act_mode(activation))
 
 
 # ---------------------------------------------------------------------------------------------------- routes
 def routes(*, weight_dtype: str):
-    """Every kernel specialization a call can launch on sm_90a for `weight_dtype` ("float32" / "bfloat16"):
-    both variants (they share kernels), both silu-grad options (and no activation), W in 2..4, with/without
-    cu_seqlens, aligned (D and row strides multiples of 8) or not, and the dw reduction per W."""
-    if weight_dtype not in _WEIGHT_DTYPES:
-        raise ValueError(f"weight_dtype must be one of {tuple(_WEIGHT_DTYPES)}, got {weight_dtype!r}")
-    wdt = _WEIGHT_DTYPES[weight_dtype]
-    cfgs = _CONFIGS["sm_90a"]
-    bf = torch.bfloat16
-    out = []
-    for W in (2, 3, 4):
-        for cu in (None, torch.int32, torch.int64):
-            has_cu = cu is not None
-            for align in (1, 8):
-                for act in (0, 1):
-                    out.append(build.Route(
-                        kernels.conv1d_fwd_kernel, (bf, wdt, bf, cu, 4096, 64, 64, 64, 8, 4), (1, 1),
-                        _meta(W, act, has_cu, align, cfgs["fwd"]),
-                        f"fwd[W={W},act={act},cu={str(cu)[6:] or 'none'},align={align}]"))
-                for act_mode in (0, 1, 2):
-                    out.append(build.Route(
-                        kernels.conv1d_bwd_kernel,
-                        (bf, wdt, bf, bf, torch.float32, cu, 4096, 64, 64, 64, 64, 64, 8, 4), (1, 1),
-                        _meta(W, act_mode, has_cu, align, cfgs["bwd"]),
-                        f"bwd[W={W},act={act_mode},cu={str(cu)[6:] or 'none'},align={align}]"))
-        out.append(build.Route(kernels.dw_reduce_kernel, (torch.float32, wdt, 64, 512, 64), (1, 1),
-                               _red_meta(W, cfgs["red"]), f"dw_reduce[W={W}]"))
-    return out
+    """Every kernel specialization a call with a `weight_dtype` ("float32" / "bfloat16") weight can launch: the
+    launchers above run on meta tensors over every flag (both variants; W 2..4; no activation, SiLU with either
+    SiLU-grad mode; no / int32 / int64 cu_seqlens; D and row strides multiples of 8 or not) and record their
+    launches. Every int argument of the kernels is `do_not_specialize`, so only its width (32 bit at any real size)
+    enters a route, and small meta shapes stand for real ones."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+    wdt = getattr(torch, weight_dtype)
+    arch = build.INTERPRETER_ARCH if build.INTERPRET else build.device_arch()
+    meta = dict(device="meta")
+    T = 64
+    layouts = (torch.empty(T, 64, dtype=torch.bfloat16, **meta),  # aligned: D and row stride multiples of 8
+               torch.empty(T, 60, dtype=torch.bfloat16, **meta),  # D % 8 != 0
+               torch.empty(T, 68, dtype=torch.bfloat16, **meta)[:, :64])  # a column slice, row stride 68
+    with collect_routes(arch) as rs:
+        for W in WIDTHS:
+            for cu_dtype in (None, torch.int32, torch.int64):
+                cu = None if cu_dtype is None else torch.empty(4, dtype=cu_dtype, **meta)
+                for x in layouts:
+                    w = torch.empty(x.shape[1], W, dtype=wdt, **meta)
+                    for act_mode in (0, 1, 2):
+                        for variant in SPEC.variants:
+                            conv1d_forward(x, w, cu, act_mode, variant)
+                            conv1d_backward(x, x, w, cu, act_mode, variant)
+    return rs.routes

@@ -258,6 +258,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
                                                            q.device, ckv)
     if rounds is None:
         rounds = gluon and _use_round(cg.get("ROUND", False), B, T_k, max_seqlen_k, H_kv, group, q.device, cg)
+    pair, rounds = pair and not gluon, rounds and gluon  # PAIR is the Triton kernel's order, ROUND the Gluon one's
     tile_k = (cg["BN"] if gluon else ckv["BN"]) * (2 if pair else 1)  # PAIR: the prefix counts pairs of key tiles
     # ROUND: n_kt_max programs per segment first (the grid's size only: the Gluon kernel's per-tile programs that
     # follow cover any tile past them, so an understated max_seqlen_k changes the order, never the result)
