@@ -182,3 +182,59 @@ def test_qwen3_5_padded_and_packed():
     hc.compare(case, "padded")
     hc.compare(case, "pos_only")
     hc.check_documents(case, "pos_only")
+
+
+def test_cached_decode_matches_hf():
+    """Generation: a left-padded prefill fills HF's cache (each row's last conv inputs and GDN state, the attention
+    keys), then two decode steps continue it - the continuation path of every patched layer (conv over the cached
+    inputs, the GDN core from the cached state, attention over the cached keys). Logits within 1.5x HF bf16's error
+    against the FP64 run of the same steps."""
+    from miles_ext_kernels.integrations.transformers import apply_to_qwen3_next
+
+    cfg = tiny_config(layers=("linear_attention", "full_attention"))
+    base = hc.base_model(cfg)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=g)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    steps = torch.randint(0, cfg.vocab_size, (2, 2), generator=g)
+
+    def generate(model):
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            logits, past, m = [out.logits[:, -1]], out.past_key_values, mask
+            for t in range(steps.shape[1]):
+                m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+                out = model(input_ids=steps[:, t:t + 1], attention_mask=m, past_key_values=past, use_cache=True)
+                logits.append(out.logits[:, -1])
+                past = out.past_key_values
+        return torch.stack(logits).double()
+
+    ref, hf = generate(hc.fresh(base).double()), generate(hc.fresh(base))
+    ours = hc.fresh(base)
+    apply_to_qwen3_next(ours)
+    got = generate(ours)
+    for t in range(got.shape[0]):
+        budget = 1.5 * hc.rel(hf[t], ref[t])
+        assert hc.rel(got[t], ref[t]) <= budget, f"step {t}: {hc.rel(got[t], ref[t]):.3e} > {budget:.3e}"
+
+
+def test_qwen3_5_moe_patches_its_layers():
+    """Qwen3.5-MoE has Qwen3.5's GDN, attention and norms under its own class names (its MoE blocks stay HF's)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from miles_ext_kernels.integrations.transformers import apply_to_qwen3_5_moe, apply_to_qwen3_next
+
+    cfg = Qwen3_5MoeTextConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=256, linear_num_key_heads=1, linear_num_value_heads=2,
+                               layer_types=["linear_attention", "full_attention"], num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    model = Qwen3_5MoeForCausalLM(cfg).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="contains no Qwen3NextModel"):
+        apply_to_qwen3_next(model)
+    r = apply_to_qwen3_5_moe(model)
+    assert r["chunk_gated_delta_rule + causal_conv1d"] == ["model.layers.0.linear_attn"]
+    assert r["varlen_gqa_attention"] == ["model.layers.1.self_attn"]
+    assert r["rmsnorm_silu_gate"] == ["model.layers.0.linear_attn.norm"]
+    assert len(r["zero_centered_rmsnorm"]) == 2 * 2 + 2 + 1
+    assert model.config._attn_implementation == "cake"
+    assert apply_to_qwen3_5_moe(model) == {}
