@@ -234,3 +234,11 @@ def test_demo_and_routes():
     assert len(labels) == len(set(labels)) and any("fast" in s for s in labels)
     with pytest.raises(ValueError):
         decl.OP.impl().routes(hidden_size=100)
+
+
+def test_module_bad_device_is_a_value_error():
+    for bad in ("nope", "cuda:x", -1):  # torch's own RuntimeError for these does not escape
+        with pytest.raises(ValueError, match="^device must be"):
+            decl.ZeroCenteredRMSNorm(64, device=bad)
+    with pytest.raises(TypeError):
+        decl.ZeroCenteredRMSNorm(64, device=3.5)
