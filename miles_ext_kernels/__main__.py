@@ -68,6 +68,39 @@ def cmd_doctor(ns) -> int:
     return 0
 
 
+def _ops_epilog(what: str) -> str:
+    """The ops (from their torch-free declarations) and, for prebuild, the --param each needs; for bench, the
+    script each runs."""
+    from miles_ext_kernels import cake
+
+    lines = []
+    width = max((len(s.name) for s in cake.OPS), default=0)
+    for s in cake.OPS:
+        if what == "prebuild":
+            params = " ".join(f"--param {p}=VALUE" for p in s.prebuild_params) or "(no --param)"
+            lines.append(f"  {s.name:<{width}}  {params}")
+        else:
+            lines.append(f"  {s.name:<{width}}  bench/{s.bench or s.name}.py")
+    head = "ops and the --param each needs:" if what == "prebuild" else "ops and the script each runs:"
+    tail = ("\nexample: python -m miles_ext_kernels prebuild rmsnorm --param hidden_size=2048"
+            if what == "prebuild" else
+            f"\na script name works too: {', '.join(_bench_targets()[len(cake.OPS):]) or '-'}")
+    return "\n".join([head, *lines]) + "\n" + tail
+
+
+def _bench_targets() -> list[str]:
+    """What `bench` takes: every op name, then each benchmark script stem that is no op's name (e.g. norms)."""
+    from miles_ext_kernels import cake
+
+    names = [s.name for s in cake.OPS]
+    return names + sorted({s.bench or s.name for s in cake.OPS} - set(names))
+
+
+def _unknown(what: str, given, known) -> str:
+    kind = "op or benchmark script" if what == "bench" else "op"
+    return f"{what}: unknown {kind} {given!r}; choose from: {', '.join(known)}"
+
+
 def _param(text: str):
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"--param takes key=value, got {text!r}")
@@ -82,6 +115,11 @@ def _param(text: str):
 
 def cmd_prebuild(ns) -> int:
     from miles_ext_kernels import cake
+
+    names = [s.name for s in cake.OPS]
+    if ns.op not in names:
+        print(_unknown("prebuild", ns.op, names), file=sys.stderr)
+        return 2
 
     device = int(ns.device) if ns.device is not None and ns.device.isdigit() else ns.device  # "0" -> cuda:0
     try:
@@ -98,12 +136,12 @@ def cmd_prebuild(ns) -> int:
 def cmd_bench(ns, extra) -> int:
     from miles_ext_kernels import cake
 
-    try:
-        spec = cake.op_spec(ns.op)
-    except KeyError as e:
-        print(f"bench: {e}", file=sys.stderr)
+    targets = _bench_targets()
+    if ns.op not in targets:
+        print(_unknown("bench", ns.op, targets), file=sys.stderr)
         return 2
-    script = REPO / "bench" / f"{spec.bench or spec.name}.py"
+    spec = next((s for s in cake.OPS if s.name == ns.op), None)
+    script = REPO / "bench" / f"{(spec.bench or spec.name) if spec else ns.op}.py"
     if not script.exists():
         print(f"no benchmark for {ns.op}: {script} does not exist", file=sys.stderr)
         return 2
@@ -117,8 +155,15 @@ def cmd_bench(ns, extra) -> int:
 
 
 def cmd_demo(ns) -> int:
-    interpret = _interpret_if_no_gpu()
     from miles_ext_kernels import cake
+
+    names = [s.name for s in cake.OPS]
+    unknown = [o for o in ns.op if o not in names]
+    if unknown:  # an unknown op must not pass as "nothing failed"
+        print(f"demo: unknown op(s) {', '.join(repr(o) for o in unknown)}; choose from: {', '.join(names)}",
+              file=sys.stderr)
+        return 2
+    interpret = _interpret_if_no_gpu()
 
     device = "cpu" if interpret else "cuda"
     print(f"demo on {device}" + (" (Triton interpreter, tiny sizes)" if interpret else " (real sizes)"))
@@ -144,20 +189,31 @@ def cmd_demo(ns) -> int:
     return 1 if failed else 0
 
 
+def _ops():
+    from miles_ext_kernels import cake
+
+    return cake.OPS
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m miles_ext_kernels",
                                      description="miles_ext_kernels: Triton training kernels for miles on Hopper")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("doctor", help="versions, GPU and arch, which ops serve it, cache dir, configured variants")
-    p = sub.add_parser("prebuild", help="compile every kernel route of an op for this GPU (fills the Triton cache)")
-    p.add_argument("op", help="op name, e.g. gqa")
+    raw = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("prebuild", help="compile every kernel route of an op for this GPU (fills the Triton cache)",
+                       epilog=_ops_epilog("prebuild"), formatter_class=raw)
+    p.add_argument("op", help="op name (listed below)")
     p.add_argument("--param", action="append", type=_param, metavar="KEY=VALUE",
                    help="model parameter the op's prebuild needs (repeatable), e.g. --param hidden_size=2048")
     p.add_argument("--device", default=None, help="CUDA device, e.g. 0 or cuda:1 (default: the current one)")
     p.add_argument("--max-workers", type=int, default=None, help="parallel compile threads")
-    p = sub.add_parser("bench", help="run bench/<op>.py (extra arguments are passed on)")
-    p.add_argument("op")
-    p = sub.add_parser("demo", help="run each op against its reference and print a table (CPU: interpreter, tiny)")
+    p = sub.add_parser("bench", help="run an op's benchmark script bench/<script>.py (extra arguments are passed on)",
+                       epilog=_ops_epilog("bench"), formatter_class=raw)
+    p.add_argument("op", help="op name or benchmark script name (listed below)")
+    p = sub.add_parser("demo", help="run each op against its reference and print a table (CPU: interpreter, tiny)",
+                       epilog="ops: " + ", ".join(s.name for s in _ops()) + "\nexit status: 0 = every row passed, "
+                       "1 = a row failed, 2 = an unknown op", formatter_class=raw)
     p.add_argument("op", nargs="*", help="only these ops (default: all)")
     ns, extra = parser.parse_known_args(argv)
     if ns.cmd == "bench":

@@ -23,6 +23,14 @@ _OP_MODULES: tuple[str, ...] = (  # one per line: adding an op touches one line
 _EXTRA: dict[str, OpSpec] = {}
 
 
+class UnknownOpError(ValueError, KeyError):
+    """An op name no registered op has. A `ValueError` (a bad argument value); also a `KeyError`, which
+    `op_spec` raised before, so existing `except KeyError` callers keep working. Its message is printed as is
+    (no KeyError quoting)."""
+
+    __str__ = Exception.__str__
+
+
 def _load_shipped() -> tuple[OpSpec, ...]:
     specs = []
     for name in _OP_MODULES:
@@ -42,12 +50,20 @@ def all_ops() -> tuple[OpSpec, ...]:
     return OPS + tuple(_EXTRA.values())
 
 
+def op_names() -> tuple[str, ...]:
+    """The names of every registered op, in order."""
+    return tuple(s.name for s in all_ops())
+
+
 def op_spec(name: str) -> OpSpec:
-    """The declaration of op `name`; `KeyError` listing the known ops otherwise."""
+    """The declaration of op `name`; `UnknownOpError` (a ValueError and a KeyError) listing the known ops otherwise,
+    `TypeError` when `name` is not a string."""
+    if not isinstance(name, str):
+        raise TypeError(f"an op name must be a str, got {type(name).__name__}")
     spec = _BY_NAME.get(name) or _EXTRA.get(name)
     if spec is None:
-        known = ", ".join(s.name for s in all_ops()) or "none"
-        raise KeyError(f"unknown cake op {name!r} (known: {known})")
+        known = ", ".join(op_names()) or "none"
+        raise UnknownOpError(f"unknown cake op {name!r} (known: {known})")
     return spec
 
 
@@ -68,7 +84,9 @@ def registered(spec: OpSpec):
 
 
 def prebuild(op: str, *, device=None, max_workers=None, **model_params):
-    """Compile every kernel route of `op` for `device`'s architecture. See `build.prebuild`."""
+    """Compile every kernel route of `op` for `device`'s architecture. See `build.prebuild`.
+
+    An unknown `op` raises `UnknownOpError` (a ValueError) before anything is imported or built."""
     from . import build
 
     return build.prebuild(op, device=device, max_workers=max_workers, **model_params)
@@ -77,7 +95,7 @@ def prebuild(op: str, *, device=None, max_workers=None, **model_params):
 def release(op: str | None = None) -> int:
     """Forget prebuild records (of `op`, or all) and free every pooled workspace buffer; returns bytes freed.
 
-    Torch-free when nothing was ever built or pooled.
+    Torch-free when nothing was ever built or pooled. An unknown `op` raises `UnknownOpError` (a ValueError).
     """
     import sys
 

@@ -241,3 +241,94 @@ def test_spec_rejects_bad_declarations():
         Flag("p", "h", choices=("a", "b"), default="c")
     with pytest.raises(ValueError):
         registry.registered(SYNTHETIC).__enter__()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# nothing a user sets is dropped silently; wrong inputs raise the right exception type
+def test_flags_the_parser_has_under_another_dest_are_read_there():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deterministic-mode", dest="det", action="store_true")
+    parser.add_argument("--cake-workspace-pool-bytes", dest="pool", type=int, default=0)
+    parser.add_argument("--synthetic-backend", dest="synth_be", default=None)
+    mek.add_arguments(parser)
+    mek.add_arguments(parser)  # twice: the recorded dests survive
+    args = parser.parse_args(["--deterministic-mode", "--cake-workspace-pool-bytes", "4096",
+                              "--synthetic-backend", "cake"])
+    mek.validate_args(args)
+    assert args.cake_synthetic_variant == "det"  # deterministic mode was seen: not fast
+    mek.configure(args)
+    assert config.pool_bytes() == 4096 and config.deterministic_mode() and config.variant("synthetic") == "det"
+    mek.configure()
+    mek.configure(args)  # another process: configure(args) alone reads the same dests
+    assert config.pool_bytes() == 4096 and config.variant("synthetic") == "det"
+    args = parser.parse_args(["--synthetic-backend", "cake", "--cake-synthetic-variant", "fast",
+                              "--deterministic-mode"])
+    with pytest.raises(ValueError, match="deterministic"):
+        mek.validate_args(args)
+
+
+def test_configure_refuses_a_dict_and_non_args():
+    mek.configure(synthetic_variant="fast")
+    with pytest.raises(TypeError, match=r"configure\(\*\*d\)"):
+        mek.configure({"synthetic_variant": "fast"})
+    assert config.variant("synthetic") == "fast"  # refused before anything was replaced
+    for bad in (None, {}, {"synthetic_backend": "cake"}, "args", 3):
+        with pytest.raises(TypeError, match="validate_args"):
+            mek.validate_args(bad)
+    for bad in (None, "parser", argparse.Namespace()):
+        with pytest.raises(TypeError, match="ArgumentParser"):
+            mek.add_arguments(bad)
+
+
+def test_configure_args_without_validate_args_drops_nothing():
+    # a variant or an option of an op that is not selected: refused as validate_args refuses it
+    with pytest.raises(ValueError, match="--cake-synthetic-variant given but cake op 'synthetic' is not selected"):
+        mek.configure(argparse.Namespace(cake_synthetic_variant="fast"))
+    with pytest.raises(ValueError, match="--cake-synthetic-precision given"):
+        mek.configure(parse("--cake-synthetic-precision", "fp32"))
+    # configure()'s keyword names on args are not read from there: refused, not dropped
+    with pytest.raises(ValueError, match="synthetic_variant.*cake_synthetic_variant"):
+        mek.configure(argparse.Namespace(synthetic_backend="cake", synthetic_variant="det"))
+    with pytest.raises(ValueError, match="workspace_pool_bytes"):
+        mek.validate_args(argparse.Namespace(workspace_pool_bytes=4096))
+    # what configure(args) does take it applies, validated or not
+    args = parse("--synthetic-backend", "cake", "--cake-synthetic-variant", "det", "--cake-synthetic-precision",
+                 "fp32", "--cake-workspace-pool-bytes", "64")
+    mek.configure(args)
+    assert config.variant("synthetic") == "det" and config.option("synthetic", "precision") == "fp32"
+    assert config.pool_bytes() == 64
+
+
+@pytest.mark.parametrize("value", ["Cake", "CAKE", " cake", "cake "])
+def test_near_miss_selector_value_is_an_error_naming_the_flag(value):
+    with pytest.raises(ValueError, match="--synthetic-backend .*case-sensitive; use 'cake'"):
+        resolved("--synthetic-backend", value)
+    with pytest.raises(ValueError, match="--synthetic-backend"):
+        mek.configure(argparse.Namespace(synthetic_backend=value))
+    resolved("--synthetic-backend", "te")  # another backend is no near miss
+
+
+def test_configure_suggests_the_closest_keyword():
+    with pytest.raises(TypeError, match="unexpected keyword 'synthetic_varient'.*did you mean 'synthetic_variant'"):
+        mek.configure(synthetic_varient="fast")
+    with pytest.raises(TypeError, match="did you mean 'synthetic_precision'"):
+        mek.configure(synthetic_precison="fp32")
+    with pytest.raises(TypeError, match="did you mean 'workspace_pool_bytes'"):
+        mek.configure(workspace_pool_byte=1)
+    with pytest.raises(TypeError, match="did you mean 'synthetic_variant'"):
+        mek.configure(synthetc_variant="det")
+    with pytest.raises(ValueError, match="did you mean 'fast'"):
+        mek.configure(synthetic_variant="Fast")
+
+
+def test_unknown_op_is_a_value_error_with_a_plain_message():
+    from miles_ext_kernels import cake
+
+    for call in (lambda: cake.release("nosuch"), lambda: cake.prebuild("nosuch"), lambda: cake.op_spec("nosuch")):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert isinstance(info.value, KeyError)  # still caught by `except KeyError`, as before
+        assert str(info.value).startswith("unknown cake op 'nosuch' (known: ")  # no KeyError quoting
+        assert "synthetic" in str(info.value)
+    with pytest.raises(TypeError, match="op name must be a str"):
+        registry.op_spec(None)

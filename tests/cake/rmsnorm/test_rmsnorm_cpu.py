@@ -251,3 +251,11 @@ def test_no_grad_calls_run_the_forward_alone_and_custom_ops_exist(monkeypatch):
         assert decl.zero_centered_rmsnorm(x, w.clone().requires_grad_(True)).grad_fn is None
     assert torch.ops.miles_ext_kernels.rmsnorm_fwd.default is not None
     assert torch.ops.miles_ext_kernels.rmsnorm_bwd.default is not None
+
+
+def test_module_bad_device_is_a_value_error():
+    for bad in ("nope", "cuda:x", -1):  # torch's own RuntimeError for these does not escape
+        with pytest.raises(ValueError, match="^device must be"):
+            decl.ZeroCenteredRMSNorm(64, device=bad)
+    with pytest.raises(TypeError):
+        decl.ZeroCenteredRMSNorm(64, device=3.5)

@@ -182,7 +182,11 @@ def _default_device(device):
     """`device` if given; else where torch's factories allocate when that is not the CPU (a `torch.device(...)`
     context, `torch.set_default_device`); else the current CUDA device (the CPU when no GPU is visible)."""
     if device is not None:
-        return torch.device(device)
+        try:
+            return torch.device(device)
+        except RuntimeError as e:  # torch rejects a malformed device string with a RuntimeError
+            raise ValueError(f"device must be a torch.device, a device string such as 'cuda:0' or an index, got "
+                             f"{device!r} ({e})") from None
     default = torch.get_default_device()
     if default.type != "cpu":
         return default
