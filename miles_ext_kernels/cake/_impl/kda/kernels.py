@@ -596,7 +596,9 @@ def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, d
     tl.store(dko + w_off, _rnd(b_dk, dko.dtype.element_ty, INTERPRET), mask=m[:, None])
     b_dg += tl.load(dgp + w_off, mask=m[:, None], other=0.)
     b_dg = tl.where(m[:, None], b_dg, 0.)
-    b_dg = tl.sum(b_dg, 0)[None, :] - tl.cumsum(b_dg, axis=0) + b_dg  # d of each token's log decay
+    # d of each token's log decay: a reverse scan (total - cumsum + x would leave every token an error of eps times
+    # the chunk's total, one error shared by all of them, which the sums over tokens of ddt_bias / dA_log add up)
+    b_dg = tl.cumsum(b_dg, axis=0, reverse=True)
     if GATE != 0:
         a_log, bias = _gate_params(A_log, dt_bias, hv, o_k, K, GATE)
         x = tl.load(g + w_off, mask=m[:, None], other=0.).to(tl.float32) + bias[None, :]
