@@ -2,7 +2,7 @@
 tensors (a malformed call may give garbage in its own outputs, never a bad access or a crash).
 
 The operands are views into NaN-filled guard buffers, so a read past a tensor would bring a NaN into an output that
-is otherwise finite (gqa and conv1d write every output row; gdn every row of a clamped document). The CPU tests
+is otherwise finite (gqa and conv1d write every output row; gdn and kda every row of a clamped document). The CPU tests
 (interpreter) run these cases; on a GPU `python -m tests.cake._malformed` runs them all and exits 1 on a failure,
 and `.ci/gpu` runs that under `compute-sanitizer --tool memcheck`, which sees any bad access itself."""
 import sys
@@ -91,7 +91,36 @@ def run_gdn(cu, dtype, device):
             "dbeta": db[0][rows]}
 
 
-RUNNERS = {"gqa": run_gqa, "conv1d": run_conv1d, "gdn": run_gdn}
+def run_kda(cu, dtype, device):
+    """Forward and backward of kda's launchers with the in-kernel softplus gate (its per-chunk dA_log / ddt_bias
+    partials too); the rows of every clamped document are finite, and so are the gate-parameter gradients."""
+    import importlib
+
+    ops = importlib.import_module("miles_ext_kernels.cake._impl.kda.ops")
+    gen = torch.Generator().manual_seed(3)
+    q = _guarded((T, 1, 16), torch.bfloat16, device, gen)[None]
+    k = _guarded((T, 1, 16), torch.bfloat16, device, gen)[None]
+    v = _guarded((T, 2, 16), torch.bfloat16, device, gen)[None]
+    g = _guarded((T, 2, 16), torch.float32, device, gen)[None]  # the raw gate
+    beta = torch.sigmoid(_guarded((T, 2), torch.float32, device, gen))[None]
+    A_log = torch.zeros(2, device=device)
+    dt_bias = torch.zeros(32, device=device)
+    c = torch.tensor(cu, dtype=dtype, device=device)
+    gate = ops.gate_kind(True, None)
+    res = ops.kda_forward(q, k, v, g, beta, A_log, dt_bias, None, c, 0.25, 0.0, gate, True, True, False)
+    o, ht, se = res[0], res[1], res[10]
+    do = torch.randn(o.shape, generator=gen).to(device, o.dtype)
+    dq, dk, dv, dg, db, dA, ddt, _ = ops.kda_backward(do, None, q, k, *res[2:4], v, g, beta, A_log, dt_bias, None,
+                                                      *res[4:], 0.25, 0.0, gate, True, False)
+    rows = torch.zeros(T, dtype=torch.bool)
+    for b, e in se.cpu().tolist():
+        rows[b:e] = True
+    rows = rows.to(device)
+    return {"o": o[0][rows], "ht": ht, "dq": dq[0][rows], "dk": dk[0][rows], "dv": dv[0][rows], "dg": dg[0][rows],
+            "dbeta": db[0][rows], "dA_log": dA, "ddt_bias": ddt}
+
+
+RUNNERS = {"gqa": run_gqa, "conv1d": run_conv1d, "gdn": run_gdn, "kda": run_kda}
 
 
 def non_finite(outs: dict) -> list:

@@ -5,7 +5,7 @@
 import pytest
 import torch
 
-from miles_ext_kernels.cake import conv1d, gated_rmsnorm, gdn, rmsnorm
+from miles_ext_kernels.cake import conv1d, gated_rmsnorm, gdn, kda, rmsnorm
 
 pytestmark = pytest.mark.interpreter
 
@@ -45,6 +45,16 @@ def test_gdn():
     inp = make_inputs([5], 1, 1, 16, 16, "cpu", seed=3, h0=False)
     leaves = [inp[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
     o, _ = gdn.chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True, cu_seqlens=inp["cu"])
+    _second_derivative_raises(o, leaves)
+
+
+def test_kda():
+    from miles_ext_kernels.cake._impl.kda.demo import make_inputs
+
+    inp = make_inputs([5], 1, 1, 16, 16, "cpu", seed=3, h0=False, gate="softplus")
+    leaves = [inp[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    o, _ = kda.chunk_kda(*leaves[:5], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=leaves[5],
+                         dt_bias=leaves[6], cu_seqlens=inp["cu"])
     _second_derivative_raises(o, leaves)
 
 

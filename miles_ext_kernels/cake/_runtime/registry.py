@@ -18,6 +18,7 @@ _OP_MODULES: tuple[str, ...] = (  # one per line: adding an op touches one line
     "gated_rmsnorm",
     "conv1d",
     "gdn",
+    "kda",
 )
 
 _EXTRA: dict[str, OpSpec] = {}

@@ -16,14 +16,14 @@ from typing import Optional
 
 import torch
 
-from miles_ext_kernels.cake._runtime import build, checks, config, varlen, workspace
+from miles_ext_kernels.cake._runtime import build, checks, config
 from miles_ext_kernels.cake._runtime.autograd import KernelOp
 from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
-from miles_ext_kernels.cake._runtime.operands import operand
 from miles_ext_kernels.cake.gdn import HEAD_DIMS  # the declaration owns the served head dims
 from miles_ext_kernels.cake.gdn import OP as SPEC
 
+from ..delta_rule import launchers as core
 from . import configs
 from . import kernels as kn
 
@@ -149,7 +149,7 @@ def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2
 
 def _c(x: torch.Tensor, name: str) -> torch.Tensor:
     """Contiguous and 16-byte aligned (the kernels index rows densely and are specialized on aligned pointers)."""
-    return operand(x, OP, name, contiguous=True)
+    return core.dense(x, OP, name)
 
 
 def _operands(q, k, v) -> tuple:
@@ -159,13 +159,14 @@ def _operands(q, k, v) -> tuple:
 
 
 def _ws(role: str, shape, dtype, device) -> torch.Tensor:
-    numel = math.prod(shape)
-    size = numel * dtype.itemsize
-    return workspace.take((OP, role), max(size, 16), device=device)[:size].view(dtype).view(shape)
+    return core.scratch(OP, role, shape, dtype, device)
 
 
-def _empty0(device, dtype=torch.float32):
-    return torch.empty(0, dtype=dtype, device=device)
+_empty0 = core.empty0
+
+
+def _rows_cfg(tab: dict, name: str) -> dict:
+    return dict(BR=tab[name]["BR"], **_cfg(tab, name))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -194,17 +195,6 @@ def _wu(tab, kk, v, beta, gc, A, se, table, H, HV, K, V, P, device, dt, ws: bool
     return w, u
 
 
-def _l2norm(tab, q: torch.Tensor, k: torch.Tensor) -> tuple:
-    """q, k L2-normalised per row of K, in one launch."""
-    K = q.shape[-1]
-    qn, kn_ = torch.empty_like(q), torch.empty_like(k)
-    R = q.numel() // K
-    BR = tab["l2norm"]["BR"]
-    launch(kn.l2norm_fwd_kernel, ((R + BR - 1) // BR, 2), x=q, y=qn, x2=k, y2=kn_, R=R, K=K, BR=BR,
-           INTERPRET=INTERPRET, **_cfg(tab, "l2norm"))
-    return qn, kn_
-
-
 def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
                 output_final_state: bool, use_l2: bool, keep_state: bool, variant: str = "det"
@@ -217,17 +207,10 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     # the L2 norm first: the GPU runs it while the host prepares the chunk table and the next launches (launched
     # after the table, it waited on that host work: a 0.09 ms gap in a synced call's timeline)
     if use_l2:
-        qn, kk = _l2norm(tab, q, k)
+        qn, kk = core.l2norm(q, k, _rows_cfg(tab, "l2norm"))
     else:
         qn, kk = q, k
-    if cu_seqlens is None:
-        N = B
-        cu = torch.arange(B + 1, dtype=torch.int32, device=device) * T
-    else:
-        N = cu_seqlens.numel() - 1
-        cu = _c(cu_seqlens, "cu_seqlens")  # int32 or int64: only the table kernel reads it
-    P = build.cdiv(Tt, BT) + N
-    table, se = varlen.chunk_table(cu, N, P, Tt, BT)
+    N, P, table, se = core.chunk_setup(OP, cu_seqlens, B, T, device)
     gf = _c(g.to(torch.float32), "g")
     bf = _c(beta.to(torch.float32), "beta")
     h0 = _c(initial_state.to(torch.float32), "initial_state") if initial_state is not None else None
@@ -305,11 +288,7 @@ def gdn_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: tor
            **_cfg(tab, "wy"))
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    BR = tab["final"]["BR"]
-    fgrid = (build.cdiv(Tt, BR), H)
-    for x, dxv, dx in ((q, dqv, dq), (k, dkf, dk)):
-        launch(kn.bwd_final_kernel, fgrid, x=x, dxv=dxv, dx=dx, R=Tt, H=H, HV=HV, K=K, BR=BR, L2=use_l2,
-               INTERPRET=INTERPRET, **_cfg(tab, "final"))
+    core.key_head_sums(((q, dqv, dq), (k, dkf, dk)), Tt, H, HV, K, use_l2, _rows_cfg(tab, "final"))
     dg = dgf.view(B, T, HV).to(g.dtype)
     db = dbf.view(B, T, HV).to(beta.dtype)
     dh0 = dh0.to(initial_state.dtype) if dh0 is not None else _empty0(device)

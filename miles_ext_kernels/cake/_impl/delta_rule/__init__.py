@@ -1,0 +1,1 @@
+"""The chunked delta-rule core shared by gdn and kda (see common.py)."""

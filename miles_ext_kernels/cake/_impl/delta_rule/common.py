@@ -1,0 +1,113 @@
+"""The gate-independent kernels and helpers of the chunked delta rule, shared by gdn (a scalar gate per token and
+head) and kda (a gate per key dimension): the interpreter-safe product and rounding helpers, the L2 norm of q and k,
+the inverse of a unit lower-triangular 16 x 16 block, the store of an A block, and the last backward kernel (the sum
+of the per-value-head dq / dk over the value heads of each key head, in a fixed order, then back through the L2
+norm). Moved here from gdn's kernels without a character changed, so gdn's compiled code is what it was.
+
+Interpreter (CPU tests): bf16 arithmetic is broken there, so elementwise math runs on fp32 values, `_dot` converts its
+(bf16-rounded) operands to fp32 under the INTERPRET flag, and `_rnd` rounds to nearest even where the interpreter's
+own downcast truncates.
+"""
+import triton
+import triton.language as tl
+
+BT = 64  # chunk length
+# Log-decays below G_FLOOR are read as G_FLOOR: exp(-128) is 0 in fp32, so a full forget (g = -inf) gives the exact
+# result instead of -inf - -inf = NaN in the in-chunk differences G_i - G_j; NaN stays NaN (a compare, not a max).
+G_FLOOR = tl.constexpr(-128.0)
+
+
+@triton.jit
+def _dot(a, b, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r
+
+
+@triton.jit
+def _rnd(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """x.to(DT), rounding to nearest even also in the interpreter (whose float downcast truncates)."""
+    if INTERPRET:
+        if DT == tl.bfloat16:
+            b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+            r = b.to(tl.float32, bitcast=True).to(DT)
+        else:
+            r = x.to(DT)
+    else:
+        r = x.to(DT)
+    return r
+
+
+@triton.jit
+def _dot32(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _inv_unit_lower(L):
+    """(I + L)^-1 for a strictly lower-triangular 16 x 16 fp32 L: L is nilpotent (L^16 = 0), so
+    (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8), six exact-fp32 16 x 16 matmuls instead of 14 dependent
+    forward-substitution steps."""
+    o = tl.arange(0, 16)
+    eye = tl.where(o[:, None] == o[None, :], 1., 0.)
+    L2 = _dot32(L, L)
+    L4 = _dot32(L2, L2)
+    L8 = _dot32(L4, L4)
+    Ai = _dot32(eye - L, eye + L2)
+    Ai = _dot32(Ai, eye + L4)
+    return _dot32(Ai, eye + L8)
+
+
+@triton.jit
+def _store_a(A, rows, m, hv, HV, col: tl.constexpr, blk, BT: tl.constexpr, INTERPRET: tl.constexpr):
+    o = tl.arange(0, 16)
+    tl.store(A + rows[:, None] * (HV * BT) + hv * BT + col + o[None, :], _rnd(blk, A.dtype.element_ty, INTERPRET),
+             mask=m[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _l2norm_rows(x, y, off, m, INTERPRET: tl.constexpr):
+    b = tl.load(x + off, mask=m[:, None], other=0.).to(tl.float32)
+    rstd = 1. / tl.sqrt(tl.sum(b * b, 1) + 1e-6)
+    tl.store(y + off, _rnd((b * rstd[:, None]), y.dtype.element_ty, INTERPRET), mask=m[:, None])
+
+
+@triton.jit(do_not_specialize=["R"])
+def l2norm_fwd_kernel(x, y, x2, y2, R, K: tl.constexpr, BR: tl.constexpr, INTERPRET: tl.constexpr):
+    """y = x / sqrt(sum(x^2) + 1e-6) per row of K; program axis 1 picks (x, y) or (x2, y2) (q and k in one launch)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    m = rows < R
+    o_k = tl.arange(0, K)
+    off = rows.to(tl.int64)[:, None] * K + o_k[None, :]
+    if tl.program_id(1) == 0:
+        _l2norm_rows(x, y, off, m, INTERPRET)
+    else:
+        _l2norm_rows(x2, y2, off, m, INTERPRET)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["R", "H", "HV"])
+def bwd_final_kernel(x, dxv, dx, R, H, HV, K: tl.constexpr, BR: tl.constexpr, L2: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """dx[t, h] = sum over the value heads of key head h (fixed order), then back through the L2 norm."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    hh = tl.program_id(1)
+    m = rows < R
+    o_k = tl.arange(0, K)
+    grp = HV // H
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BR, K], dtype=tl.float32)
+    for r in range(0, grp):
+        acc += tl.load(dxv + rows64[:, None] * (HV * K) + (hh * grp + r) * K + o_k[None, :], mask=m[:, None],
+                       other=0.).to(tl.float32)
+    x_off = rows64[:, None] * (H * K) + hh * K + o_k[None, :]
+    if L2:
+        b_x = tl.load(x + x_off, mask=m[:, None], other=0.).to(tl.float32)
+        rstd = 1. / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)
+        b_y = b_x * rstd[:, None]
+        acc = (acc - b_y * tl.sum(b_y * acc, 1)[:, None]) * rstd[:, None]
+    tl.store(dx + x_off, _rnd(acc, dx.dtype.element_ty, INTERPRET), mask=m[:, None])

@@ -1,0 +1,67 @@
+"""Host side of the delta-rule core shared by gdn and kda: scratch and operands, the chunk table, and the launches
+of the gate-independent kernels (the L2 norm of q and k; the per-key-head sum of the per-value-head dq / dk with the
+L2-norm backward). Every launch goes through `_runtime.launch.launch`, so each op's `routes()` records them."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from miles_ext_kernels.cake._runtime import build, varlen, workspace
+from miles_ext_kernels.cake._runtime.launch import launch
+from miles_ext_kernels.cake._runtime.operands import operand
+
+from . import common
+
+INTERPRET = build.INTERPRET
+
+
+def scratch(op: str, role: str, shape, dtype, device) -> torch.Tensor:
+    """A `shape` tensor of scratch from the workspace pool (role `(op, role)`); its content is undefined."""
+    size = math.prod(shape) * dtype.itemsize
+    return workspace.take((op, role), max(size, 16), device=device)[:size].view(dtype).view(shape)
+
+
+def dense(x: torch.Tensor, op: str, name: str) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (the kernels index rows densely and are specialized on aligned pointers)."""
+    return operand(x, op, name, contiguous=True)
+
+
+def empty0(device, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def chunk_setup(op: str, cu_seqlens, B: int, T: int, device) -> tuple:
+    """(N, P, table, se) of a call: N sequences (B, or the documents of cu_seqlens), P = cdiv(B T, BT) + N chunk
+    slots, and `varlen.chunk_table`'s slot table and clamped per-sequence bounds (the only launch that reads
+    cu_seqlens)."""
+    if cu_seqlens is None:
+        N = B
+        cu = torch.arange(B + 1, dtype=torch.int32, device=device) * T
+    else:
+        N = cu_seqlens.numel() - 1
+        cu = dense(cu_seqlens, op, "cu_seqlens")  # int32 or int64: only the table kernel reads it
+    P = build.cdiv(B * T, common.BT) + N
+    table, se = varlen.chunk_table(cu, N, P, B * T, common.BT)
+    return N, P, table, se
+
+
+def l2norm(q: torch.Tensor, k: torch.Tensor, cfg: dict) -> tuple:
+    """q, k L2-normalised per row of K, in one launch. cfg: BR, num_warps, num_stages."""
+    K = q.shape[-1]
+    qn, kn = torch.empty_like(q), torch.empty_like(k)
+    R = q.numel() // K
+    BR = cfg["BR"]
+    launch(common.l2norm_fwd_kernel, ((R + BR - 1) // BR, 2), x=q, y=qn, x2=k, y2=kn, R=R, K=K, BR=BR,
+           INTERPRET=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return qn, kn
+
+
+def key_head_sums(pairs, R: int, H: int, HV: int, K: int, use_l2: bool, cfg: dict) -> None:
+    """For each (x, dxv, dx) of `pairs`: dx[t, h] = the sum of dxv [R, HV, K] over the value heads of key head h
+    (fixed order), then back through the L2 norm of x when `use_l2`. cfg: BR, num_warps, num_stages."""
+    BR = cfg["BR"]
+    grid = (build.cdiv(R, BR), H)
+    for x, dxv, dx in pairs:
+        launch(common.bwd_final_kernel, grid, x=x, dxv=dxv, dx=dx, R=R, H=H, HV=HV, K=K, BR=BR, L2=use_l2,
+               INTERPRET=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -1,0 +1,40 @@
+"""Fixed launch configs of the kda kernels (no autotuning: a new process picks the same config, hence the same bits).
+
+UNTUNED: the sm_90a table is a first guess from gdn's swept table (same launch sequence and tiles), adjusted for the
+larger live tiles of a per-key-dimension gate, and not yet measured on a GPU. Checked offline only: every route at
+K = V = 128 compiles for sm_90a with triton 3.9 (bench/sass.py's way, no GPU; the GPU machine's 3.6 not yet); from
+its ptxas counts: "h" takes 2 stages (3 need 246 784 B of shared memory, over the H200's 232 448: the G^T tile of a
+vector gate is pipelined too), the prep and dqkw 8 warps (4 spilled 2.1 / 1.5 KB; 8: 0.9 / 0.1 KB), the WY
+backward stays at 8 (16 caps registers at 128 and spills more; at 8 it spills ~3 KB). BV / BK are capped at the
+head dims.
+- dqkw BK < K: dq / dk / dw in K slices (each slice writes its own key dimensions of dG); SPLIT: dq, dw and dk in
+  two launches (the dk launch adds its dG to the first's; num_warps_dk, BK_dk are the dk launch's).
+- final LOW_PARTIALS: the per-value-head dq, dk sums read by bwd_final kept in the input dtype (bf16) instead of
+  fp32; LOW_DK: dq/dk/dw's dk part, read back and completed by the WY backward, in the input dtype too (gdn's
+  choices; see gdn's configs).
+- h_narrow / dh_narrow: the sequential state kernels switch to these smaller BV tiles where the wide tiles would give
+  fewer than NARROW_BELOW programs (few long documents); the choice depends only on host shapes.
+- gate_sum: the fixed-order column sum of the per-chunk dA_log / ddt_bias partials (BP slots per step, BN columns
+  per program).
+"""
+
+CFG = {
+    "l2norm": dict(num_warps=4, BR=16),
+    "prep": dict(num_warps=8),
+    "wu": dict(num_warps=4),
+    "h": dict(num_warps=8, num_stages=2, BV=128),
+    "h_narrow": dict(num_warps=4, num_stages=3, BV=32),
+    "o": dict(num_warps=4),
+    "dvl": dict(num_warps=4),
+    "dh": dict(num_warps=8, num_stages=1, BV=128),
+    "dh_narrow": dict(num_warps=4, num_stages=2, BV=32),
+    "dqkw": dict(num_warps=8, BK=64, SPLIT=True, num_warps_dk=8, BK_dk=64),
+    "wy": dict(num_warps=8),
+    "final": dict(num_warps=4, BR=16, LOW_PARTIALS=True, LOW_DK=True),
+    "gate_sum": dict(num_warps=4, BP=32, BN=128),
+}
+NARROW_BELOW = 128  # programs of the wide state tiles under which h_narrow / dh_narrow are used
+DEFAULT_STAGES = 2  # num_stages where an entry has none (the chunk kernels have no pipelined loop)
+
+# per arch; the interpreter (CPU tests) runs the same table
+CONFIGS = {"sm_90a": CFG, "interpreter": CFG}

@@ -1,0 +1,435 @@
+"""Chunked Kimi Delta Attention: operand checks, launchers, autograd.
+
+Forward: [L2 norm of q, k] -> chunk table -> prep (the gate, gc = in-chunk cumsum of the log decay, Aqk,
+A = (I + L)^-1) -> w, u -> state recurrence (h per chunk, dlt) -> o. Backward: in-chunk d(dlt) -> reverse state
+recurrence (d of every chunk-end state, full d(dlt), dh0) -> dq, dk, dw, partial dG -> WY backward (dk, dv, dbeta,
+dg through the gate, per-chunk dA_log / ddt_bias partials) -> sum dq, dk over the value heads of each key head
+(fixed order) and back through the L2 norm -> fixed-order column sum of the gate-parameter partials. gdn's launch
+sequence, one to one; the L2 norm, the chunk table and the per-key-head sums are the shared core's
+(`_impl/delta_rule/launchers.py`).
+
+Both variants launch the same kernels: no kernel uses atomics and every split sum is added in one fixed order, so
+`fast` is `det`. Launch configs: configs.py (fixed per arch). Every launch goes through `_runtime.launch.launch`;
+`routes()` runs these launchers on meta tensors, so prebuild compiles exactly what they launch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from miles_ext_kernels.cake._runtime import build, checks, config
+from miles_ext_kernels.cake._runtime.autograd import KernelOp
+from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
+from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
+from miles_ext_kernels.cake.kda import HEAD_DIMS, SAFE_LOWER_BOUND  # the declaration owns what is served
+from miles_ext_kernels.cake.kda import OP as SPEC
+
+from ..delta_rule import launchers as core
+from . import configs
+from . import kernels as kn
+
+OP = SPEC.name
+BT = kn.BT
+IN_DTYPES = (torch.bfloat16,)
+BETA_DTYPES = (torch.float32, torch.bfloat16)
+RAW_GATE_DTYPES = (torch.float32, torch.bfloat16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INTERPRET = build.INTERPRET
+
+
+def _cfg(tab: dict, name: str) -> dict:
+    """Launch options of one kernel: num_warps, num_stages (configs.DEFAULT_STAGES unless its entry says)."""
+    c = tab[name]
+    return dict(num_warps=c["num_warps"], num_stages=c.get("num_stages", configs.DEFAULT_STAGES))
+
+
+def _bv(tab: dict, name: str, V: int) -> int:
+    return min(V, tab[name]["BV"])
+
+
+def _state_cfg(tab: dict, name: str, V: int, seq_heads: int) -> tuple:
+    """(config name, BV) of a sequential state kernel ("h": fwd_h, "dh": bwd_dh), which runs one program per
+    (sequence, value head, BV block): the narrow config when the wide tiles would leave most SMs idle."""
+    bv = _bv(tab, name, V)
+    if seq_heads * (V // bv) < configs.NARROW_BELOW and _bv(tab, name + "_narrow", V) < bv:
+        name += "_narrow"
+        bv = _bv(tab, name, V)
+    return name, bv
+
+
+def _dqkw_launches(tab: dict, K: int) -> list:
+    """(phase, BK) of each dq / dk / dw launch. Phases: (0,) one launch of all three; (1, 2) a dq, dw launch and a dk
+    launch (fewer live tiles each, each with its own BK)."""
+    c = tab["dqkw"]
+    return [(phase, min(K, c["BK_dk" if phase == 2 else "BK"])) for phase in ((1, 2) if c["SPLIT"] else (0,))]
+
+
+def _dqkw_cfg(tab: dict, phase: int) -> dict:
+    c = _cfg(tab, "dqkw")
+    if phase == 2:  # the dk launch has its own warp count
+        c["num_warps"] = tab["dqkw"]["num_warps_dk"]
+    return c
+
+
+def _rows_cfg(tab: dict, name: str) -> dict:
+    return dict(BR=tab[name]["BR"], **_cfg(tab, name))
+
+
+def _pdt(tab: dict, dt):
+    """dtype of the per-value-head dq, dk sums read by bwd_final: the input dtype or fp32."""
+    return dt if tab["final"]["LOW_PARTIALS"] else torch.float32
+
+
+def _kdt(tab: dict, dt):
+    """dtype of dqkw's dk part, read back (and completed) by the WY backward: the input dtype or fp32."""
+    return dt if tab["final"]["LOW_DK"] else torch.float32
+
+
+def gate_kind(use_gate_in_kernel: bool, lower_bound) -> int:
+    """kernels.GATE_*: the log decay as given, the softplus gate, or the lower-bound (sigmoid) gate."""
+    if not use_gate_in_kernel:
+        return kn.GATE_NONE
+    return kn.GATE_SOFTPLUS if lower_bound is None else kn.GATE_SIGMOID
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checks
+def _check_flag(name: str, flag) -> None:
+    if not isinstance(flag, bool):
+        raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+
+
+def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+           A_log, dt_bias, safe_gate, lower_bound, transpose_state_layout, cu_seqlens, cp_context):
+    if cp_context is not None:
+        raise NotImplementedError("kda: cp_context (context parallelism) is not served yet; pass cp_context=None")
+    for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel",
+                                                                     use_qk_l2norm_in_kernel),
+                       ("use_gate_in_kernel", use_gate_in_kernel), ("safe_gate", safe_gate),
+                       ("transpose_state_layout", transpose_state_layout)):
+        _check_flag(name, flag)
+    check_tensor("q", q, dtype=IN_DTYPES, ndim=4)
+    check_tensor("k", k, dtype=IN_DTYPES, ndim=4)
+    check_tensor("v", v, dtype=IN_DTYPES, ndim=4)
+    check_tensor("g", g, dtype=RAW_GATE_DTYPES if use_gate_in_kernel else (torch.float32,), ndim=4)
+    check_tensor("beta", beta, dtype=BETA_DTYPES, ndim=3)
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.shape[0] != B or v.shape[1] != T:
+        raise ValueError(f"v must be [B, T, HV, V] = [{B}, {T}, HV, V], got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H < 1 or HV < 1 or HV % H != 0:
+        raise ValueError(f"v's head count HV={HV} must be a positive multiple of q/k's head count H={H}")
+    if K not in HEAD_DIMS:
+        raise ValueError(f"q/k head dim K={K} is not served (served: {HEAD_DIMS})")
+    if V not in HEAD_DIMS:
+        raise ValueError(f"v head dim V={V} is not served (served: {HEAD_DIMS})")
+    if tuple(g.shape) != (B, T, HV, K):
+        raise ValueError(f"g must be [B, T, HV, K] = {(B, T, HV, K)}, got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, T, HV):
+        raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
+    if T < 1 or B < 1:
+        raise ValueError(f"q must hold at least one token, got shape {tuple(q.shape)}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+    if lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
+        if not (math.isfinite(lower_bound) and lower_bound < 0):
+            raise ValueError(f"lower_bound must be a finite float < 0, got {lower_bound}")
+        if safe_gate and lower_bound < SAFE_LOWER_BOUND:
+            raise ValueError(f"lower_bound must lie in [{SAFE_LOWER_BOUND:g}, 0) with safe_gate=True, got "
+                             f"{lower_bound}")
+    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
+    if use_gate_in_kernel:
+        if safe_gate and lower_bound is None:
+            raise ValueError("lower_bound is required with safe_gate=True and use_gate_in_kernel=True (e.g. -5)")
+        for name, t, shape in (("A_log", A_log, (HV,)), ("dt_bias", dt_bias, (HV * K,))):
+            if t is None:
+                raise ValueError(f"{name} is required with use_gate_in_kernel=True ({list(shape)} fp32)")
+            check_tensor(name, t, dtype=torch.float32)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be {list(shape)} (HV={HV}, K={K}), got {tuple(t.shape)}")
+            named.append((name, t))
+    else:
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None:
+                raise ValueError(f"{name} is read only by the in-kernel gate: pass use_gate_in_kernel=True or "
+                                 f"{name}=None")
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, dtype=(torch.int32, torch.int64), ndim=1)
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1 (packed documents), got B={B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must hold at least 2 offsets ([0, ..., T])")
+        if cu_seqlens.device.type == "cpu" and q.device.type == "cpu" and not torch.compiler.is_compiling():
+            cu = cu_seqlens.tolist()  # host tensor next to host data (interpreter): cheap to check fully
+            if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+                raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu}")
+        named.append(("cu_seqlens", cu_seqlens))
+        N = cu_seqlens.numel() - 1
+    else:
+        N = B
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, dtype=STATE_DTYPES, ndim=4)
+        want = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
+        if tuple(initial_state.shape) != want:
+            lay = "[N, HV, V, K]" if transpose_state_layout else "[N, HV, K, V]"
+            raise ValueError(f"initial_state must be {lay} = {want}, got {tuple(initial_state.shape)}")
+        named.append(("initial_state", initial_state))
+    check_same_device(named)
+    build.check_device(q, "q")
+    return gate_kind(use_gate_in_kernel, lower_bound)
+
+
+def _ws(role: str, shape, dtype, device) -> torch.Tensor:
+    return core.scratch(OP, role, shape, dtype, device)
+
+
+def _c(x: torch.Tensor, name: str) -> torch.Tensor:
+    return core.dense(x, OP, name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launchers (no autograd)
+def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+                cu_seqlens: Optional[torch.Tensor], scale: float, lower_bound: float, gate: int,
+                output_final_state: bool, use_l2: bool, trans_state: bool, variant: str = "det"
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, ht, then what the backward needs: qn, kk, gc, A, Aqk, w, h, vn, se, table). Both variants run these
+    kernels. Operands already checked."""
+    tab = configs.CONFIGS[arch_of(q, "q")]
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    device, dt = q.device, q.dtype
+    Tt = B * T
+    q, k, v = _c(q, "q"), _c(k, "k"), _c(v, "v")
+    # the L2 norm first: the GPU runs it while the host prepares the chunk table and the next launches
+    if use_l2:
+        qn, kk = core.l2norm(q, k, _rows_cfg(tab, "l2norm"))
+    else:
+        qn, kk = q, k
+    N, P, table, se = core.chunk_setup(OP, cu_seqlens, B, T, device)
+    gd = _c(g, "g")  # the log decay (fp32) or the raw gate (its own dtype: the prep reads it)
+    bf = _c(beta.to(torch.float32), "beta")
+    if gate:
+        al, db = _c(A_log, "A_log"), _c(dt_bias, "dt_bias")
+    else:
+        al = db = gd  # stand-ins, never read
+    h0 = _c(initial_state.to(torch.float32), "initial_state") if initial_state is not None else None
+    gc = torch.empty(Tt, HV, K, dtype=torch.float32, device=device)
+    A = torch.empty(Tt, HV, BT, dtype=dt, device=device)
+    Aqk = torch.empty(Tt, HV, BT, dtype=dt, device=device)
+    launch(kn.fwd_prep_kernel, (P, HV), q=qn, k=kk, g=gd, A_log=al, dt_bias=db, beta=bf, se=se, table=table, gc=gc,
+           A=A, Aqk=Aqk, scale=float(scale), lower_bound=float(lower_bound), H=H, HV=HV, K=K, BT=BT, GATE=gate,
+           INTERPRET=INTERPRET, **_cfg(tab, "prep"))
+    w = torch.empty(Tt, HV, K, dtype=dt, device=device)
+    u = _ws("u", (Tt, HV, V), dt, device)
+    launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=bf, gc=gc, A=A, se=se, table=table, w=w, u=u, H=H, HV=HV, K=K,
+           V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
+    h = torch.empty(P, HV, K, V, dtype=dt, device=device)
+    vn = torch.empty(Tt, HV, V, dtype=dt, device=device)
+    ht_shape = (N, HV, V, K) if trans_state else (N, HV, K, V)
+    ht = torch.empty(ht_shape, dtype=torch.float32, device=device) if output_final_state else core.empty0(device)
+    cname, BV = _state_cfg(tab, "h", V, N * HV)
+    launch(kn.fwd_h_kernel, (N * HV, V // BV), k=kk, w=w, u=u, gc=gc, se=se, h0=h0 if h0 is not None else gc, h=h,
+           vn=vn, ht=ht if output_final_state else gc, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None,
+           STORE_HT=output_final_state, TRANS_STATE=trans_state, INTERPRET=INTERPRET, **_cfg(tab, cname))
+    o = torch.empty(B, T, HV, V, dtype=dt, device=device)
+    launch(kn.fwd_o_kernel, (P, HV), q=qn, gc=gc, Aqk=Aqk, vn=vn, h=h, se=se, table=table, o=o, scale=float(scale),
+           H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "o"))
+    if not use_l2:
+        qn, kk = core.empty0(device, dt), core.empty0(device, dt)
+    return o, ht, qn, kk, gc, A, Aqk, w, h, vn, se, table
+
+
+def kda_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                 qn: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
+                 initial_state: Optional[torch.Tensor], gc: torch.Tensor, A: torch.Tensor, Aqk: torch.Tensor,
+                 w: torch.Tensor, h: torch.Tensor, vn: torch.Tensor, se: torch.Tensor, table: torch.Tensor,
+                 scale: float, lower_bound: float, gate: int, use_l2: bool, trans_state: bool,
+                 output_final_state: bool = True, variant: str = "det"
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0; empty where the input was None). `do` / `dht` None: no
+    gradient reached o / the final state."""
+    tab = configs.CONFIGS[arch_of(q, "q")]
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    device, dt = q.device, q.dtype
+    Tt = B * T
+    N = se.shape[0]
+    P = table.shape[0]
+    q, k, v = _c(q, "q"), _c(k, "k"), _c(v, "v")
+    if not use_l2:
+        qn, kk = q, k
+    gd = _c(g, "g")
+    bf = _c(beta.to(torch.float32), "beta")
+    if gate:
+        al, db = _c(A_log, "A_log"), _c(dt_bias, "dt_bias")
+    else:
+        al = db = gd
+    if do is None:
+        do = torch.zeros(B, T, HV, V, dtype=dt, device=device)
+    do = _c(do.to(dt), "do")
+    if not output_final_state:
+        dht = None
+    grid = (P, HV)
+    dvl = _ws("dvl", (Tt, HV, V), dt, device)
+    launch(kn.bwd_dvl_kernel, grid, Aqk=Aqk, do=do, se=se, table=table, dvl=dvl, H=H, HV=HV, V=V, BT=BT,
+           INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
+    dhe = _ws("dhe", (P, HV, K, V), dt, device)
+    dd = _ws("dd", (Tt, HV, V), dt, device)
+    want_dh0 = initial_state is not None
+    dh0 = torch.empty(initial_state.shape, dtype=torch.float32, device=device) if want_dh0 else None
+    dhtf = _c(dht.to(torch.float32), "dht") if dht is not None else None
+    cname, BV = _state_cfg(tab, "dh", V, N * HV)
+    launch(kn.bwd_dh_kernel, (N * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se,
+           dht=dhtf if dhtf is not None else gc, dh0=dh0 if want_dh0 else gc, dhe=dhe, dd=dd, scale=float(scale),
+           H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhtf is not None, STORE_DH0=want_dh0, TRANS_STATE=trans_state,
+           INTERPRET=INTERPRET, **_cfg(tab, cname))
+    pdt = _pdt(tab, dt)
+    dqv = _ws("dqv", (Tt, HV, K), pdt, device)
+    kdt = _kdt(tab, dt)  # dk of dqkw, read back by the WY backward
+    dkv = _ws("dkv", (Tt, HV, K), kdt, device)
+    dw = _ws("dw", (Tt, HV, K), dt, device)
+    dgp = _ws("dgp", (Tt, HV, K), torch.float32, device)
+    for phase, BK in _dqkw_launches(tab, K):
+        launch(kn.bwd_dqkw_kernel, (P * (K // BK), HV), q=qn, k=kk, vn=vn, do=do, dd=dd, gc=gc, h=h, dhe=dhe, se=se,
+               table=table, dq=dqv, dk=dkv, dw=dw, dgp=dgp, scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
+               PHASE=phase, INTERPRET=INTERPRET, **_dqkw_cfg(tab, phase))
+    dkf = dkv if pdt == kdt else _ws("dkf", (Tt, HV, K), pdt, device)
+    dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=device)
+    dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
+    dg = torch.empty(B, T, HV, K, dtype=g.dtype, device=device)
+    part = _ws("gate_part", (P, HV * K + HV), torch.float32, device) if gate else dbf
+    launch(kn.bwd_wy_kernel, grid, k=kk, v=v, beta=bf, g=gd, A_log=al, dt_bias=db, gc=gc, A=A, dw=dw, dd=dd, se=se,
+           table=table, dk=dkv, dko=dkf, dgp=dgp, dv=dv, dbeta=dbf, dg=dg, part=part, lower_bound=float(lower_bound),
+           H=H, HV=HV, K=K, V=V, BT=BT, GATE=gate, INTERPRET=INTERPRET, **_cfg(tab, "wy"))
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    core.key_head_sums(((q, dqv, dq), (k, dkf, dk)), Tt, H, HV, K, use_l2, _rows_cfg(tab, "final"))
+    if gate:
+        dA = torch.empty(HV, dtype=torch.float32, device=device)
+        ddt = torch.empty(HV * K, dtype=torch.float32, device=device)
+        c = tab["gate_sum"]
+        launch(kn.gate_sum_kernel, (build.cdiv(HV * K + HV, c["BN"]),), part=part, out1=ddt, out2=dA, P=P,
+               N1=HV * K, N2=HV, BP=c["BP"], BN=c["BN"], **_cfg(tab, "gate_sum"))
+        dA, ddt = dA.to(A_log.dtype), ddt.to(dt_bias.dtype)
+    else:
+        dA = ddt = core.empty0(device)
+    dbeta = dbf.view(B, T, HV).to(beta.dtype)
+    dh0 = dh0.to(initial_state.dtype) if dh0 is not None else core.empty0(device)
+    return dq, dk, dv, dg, dbeta, dA, ddt, dh0
+
+
+def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, gate,
+                  output_final_state, use_l2, trans_state, variant="det"):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    Tt = B * T
+    P = build.cdiv(Tt, BT) + N
+    e = q.new_empty
+    f32 = torch.float32
+    o = e((B, T, HV, V))
+    ht = e((N, HV, V, K) if trans_state else (N, HV, K, V), dtype=f32) if output_final_state else e((0,), dtype=f32)
+    qn = e((B, T, H, K)) if use_l2 else e((0,))
+    kk = e((B, T, H, K)) if use_l2 else e((0,))
+    gc = e((Tt, HV, K), dtype=f32)
+    A = e((Tt, HV, BT))
+    Aqk = e((Tt, HV, BT))
+    w = e((Tt, HV, K))
+    h = e((P, HV, K, V))
+    vn = e((Tt, HV, V))
+    se = e((N, 2), dtype=torch.int32)
+    table = e((P, 2), dtype=torch.int32)
+    return o, ht, qn, kk, gc, A, Aqk, w, h, vn, se, table
+
+
+def _backward_fake(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_state, gc, A, Aqk, w, h, vn, se, table,
+                   scale, lower_bound, gate, use_l2, trans_state, output_final_state=True, variant="det"):
+    # contiguous like the real op's outputs (empty_like would copy a permuted input's strides)
+    def like(t):
+        return t.new_empty(t.shape) if t is not None else q.new_empty((0,), dtype=torch.float32)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), like(A_log if gate else None), like(dt_bias if gate else None),
+            like(initial_state))
+
+
+def _setup(inputs, res):
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, gate, output_final_state,
+     use_l2, trans_state, variant) = inputs
+    o, ht, qn, kk, gc, A, Aqk, w, h, vn, se, table = res
+    return ((q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_state, gc, A, Aqk, w, h, vn, se, table),
+            (scale, lower_bound, gate, use_l2, trans_state, output_final_state, variant))
+
+
+KDA = KernelOp(OP, forward=kda_forward, forward_fake=_forward_fake, setup=_setup, backward=kda_backward,
+               backward_fake=_backward_fake, grad_inputs=(0, 1, 2, 3, 4, 5, 6, 7), n_outputs=2)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False,
+              lower_bound=None, transpose_state_layout=False, cu_seqlens=None, cp_context=None):
+    gate = _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                  use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound, transpose_state_layout, cu_seqlens,
+                  cp_context)
+    if cu_seqlens is not None and config.option(OP, "check_seqlens"):
+        checks.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[1], must_end_at_total=True)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    lb = float(lower_bound) if gate == kn.GATE_SIGMOID else 0.0
+    if not gate:
+        A_log = dt_bias = None
+    o, ht = KDA(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lb, gate, output_final_state,
+                use_qk_l2norm_in_kernel, transpose_state_layout)
+    return o, (ht if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def routes(head_k_dim: int = 128, head_v_dim: int = 128):
+    """Every kernel specialization a call with these head dims can launch: the launchers above run on meta tensors
+    over every flag (gate kind and raw-gate dtype, L2 norm, initial / final state and its layout, wide / narrow state
+    tiles, int32 / int64 / no cu_seqlens) and record their launches."""
+    K, V = head_k_dim, head_v_dim
+    if K not in HEAD_DIMS or V not in HEAD_DIMS:
+        raise ValueError(f"head dims must be in {HEAD_DIMS}, got head_k_dim={K}, head_v_dim={V}")
+    arch = build.INTERPRETER_ARCH if INTERPRET else build.device_arch()
+    H, HV = 2, 4
+    meta = dict(device="meta")
+    gates = [(kn.GATE_NONE, torch.float32)] + [(kind, dt) for kind in (kn.GATE_SOFTPLUS, kn.GATE_SIGMOID)
+                                               for dt in RAW_GATE_DTYPES]
+    with collect_routes(arch) as rs:
+        for n_seq in (1, configs.NARROW_BELOW):  # narrow and wide state tiles
+            T = BT * n_seq
+            for cu_dtype in (None, torch.int32, torch.int64):
+                cu = None if cu_dtype is None else torch.empty(n_seq + 1, dtype=cu_dtype, **meta)
+                B = n_seq if cu is None else 1
+                Tb = T // B
+                q = torch.empty(B, Tb, H, K, dtype=torch.bfloat16, **meta)
+                v = torch.empty(B, Tb, HV, V, dtype=torch.bfloat16, **meta)
+                beta = torch.empty(B, Tb, HV, **meta)
+                a_log = torch.empty(HV, **meta)
+                dt_bias = torch.empty(HV * K, **meta)
+                for gate, gdt in gates:
+                    g = torch.empty(B, Tb, HV, K, dtype=gdt, **meta)
+                    al, db = (a_log, dt_bias) if gate else (None, None)
+                    for use_l2 in (False, True):
+                        for trans in (False, True):
+                            h0 = torch.empty((n_seq, HV, V, K) if trans else (n_seq, HV, K, V), **meta)
+                            for init in (None, h0):
+                                for final in (False, True):
+                                    res = kda_forward(q, q, v, g, beta, al, db, init, cu, 1.0, -1.0, gate, final,
+                                                      use_l2, trans)
+                                    kda_backward(v, h0 if final else None, q, q, *res[2:4], v, g, beta, al, db, init,
+                                                 *res[4:], 1.0, -1.0, gate, use_l2, trans, final, "det")
+    return rs.routes
