@@ -37,10 +37,12 @@ def test_supported(hq, hkv):
     assert gqa.is_supported(hq, hkv)
 
 
-@pytest.mark.parametrize("args,err,match", [((16, 3), ValueError, "multiple"), ((16, 2, 128), ValueError, "head_dim"),
-                                            ((0, 1), ValueError, "num_heads_q"), ((4, 0), ValueError, "num_heads_kv"),
-                                            ((16.0, 2), TypeError, "num_heads_q"), ((16, True), TypeError, "num_heads_kv"),
-                                            ((16, 2, "256"), TypeError, "head_dim")])
+@pytest.mark.parametrize("args,err,match", [
+    ((16, 3), ValueError, "multiple"), ((16, 2, 128), ValueError, "head_dim"),
+    ((0, 1), ValueError, "num_heads_q"), ((4, 0), ValueError, "num_heads_kv"),
+    ((16.0, 2), TypeError, "num_heads_q"), ((16, True), TypeError, "num_heads_kv"),
+    ((16, 2, "256"), TypeError, "head_dim"),
+])
 def test_refused(args, err, match):
     with pytest.raises(err, match=match):
         gqa.check_supported(*args)

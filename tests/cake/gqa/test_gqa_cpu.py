@@ -313,7 +313,8 @@ def test_round_order_choice():
     from miles_ext_kernels.cake._impl.gqa import ops
 
     c = dict(BM=64, BN=64)
-    assert not ops._use_round(True, 4, 100, None, 2, 2, None, c) and not ops._use_round(True, 1, 100, 100, 2, 2, None, c)
+    assert not ops._use_round(True, 4, 100, None, 2, 2, None, c)
+    assert not ops._use_round(True, 1, 100, 100, 2, 2, None, c)
     assert ops._use_round(True, 2, 100, 50, 1, 1, None, c) and not ops._use_round(False, 2, 100, 50, 1, 1, None, c)
     assert not ops._use_round("auto", 4, 100, 60, 2, 2, None, c)  # documents far from equal
     for h_kv, group in ((2, 8), (1, 8), (1, 3)):
