@@ -14,12 +14,6 @@ from tests.cake._cli import parse_validated
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    yield
-    mek.configure()
-
-
 def test_declaration():
     op = conv1d.OP
     assert op.name == "conv1d" and cake.op_spec("conv1d") is op

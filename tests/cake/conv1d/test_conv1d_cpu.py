@@ -17,13 +17,6 @@ pytestmark = pytest.mark.interpreter
 BUDGET = {"y": 7e-3, "dx": 7e-3, "dw32": 4e-3, "dw16": 8e-3}
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
-
-
 def make(T, D, W, wdt=torch.float32, seed=0, x_cols=None, x_off=0):
     g = torch.Generator().manual_seed(seed)
     if x_cols is None:

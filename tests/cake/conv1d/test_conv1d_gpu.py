@@ -25,10 +25,8 @@ IRREGULAR = [0, 1, 3, 4000, 4001, 4001, 7000, 9001]
 
 
 @pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
+def _sync_debug_off():
     yield
-    mek.configure()
     torch.cuda.set_sync_debug_mode(0)
 
 

@@ -23,15 +23,6 @@ DIMS = (128, 256)
 def _built():
     for d in DIMS:
         cake.prebuild("gated_rmsnorm", head_dim=d)
-    yield
-    mek.configure()
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
 
 
 def inputs(shape, wdtype, seed=0):

@@ -13,20 +13,6 @@ from tests.cake._cli import parse_validated
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-@pytest.fixture(autouse=True)
-def _registered():
-    try:
-        registry.op_spec("gdn")
-        ctx = None
-    except KeyError:
-        ctx = registry.registered(gdn.OP)
-        ctx.__enter__()
-    yield
-    mek.configure()
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
-
-
 def test_declaration():
     op = gdn.OP
     assert op.name == "gdn" and registry.op_spec("gdn") is op

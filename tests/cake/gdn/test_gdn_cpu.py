@@ -6,7 +6,7 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
-from miles_ext_kernels.cake._runtime import registry, varlen
+from miles_ext_kernels.cake._runtime import varlen
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
 
 pytestmark = pytest.mark.interpreter
@@ -23,21 +23,6 @@ reference = importlib.import_module("miles_ext_kernels.cake._impl.gdn.reference"
 BUDGETS_VARLEN = {"o": 8.4e-3, "ht": 6.1e-3, "dq": 8.1e-3, "dk": 7.8e-3, "dv": 7.6e-3, "dg": 7.8e-3,
                   "dbeta": 5.9e-3, "dh0": 4.8e-3}
 BUDGETS_BATCH = {"o": 6.8e-3, "dq": 6.6e-3, "dk": 7.0e-3, "dv": 5.7e-3, "dg": 6.0e-3, "dbeta": 6.7e-3}
-
-
-@pytest.fixture(autouse=True)
-def _registered():
-    try:
-        registry.op_spec("gdn")
-        ctx = None
-    except KeyError:
-        ctx = registry.registered(gdn.OP)
-        ctx.__enter__()
-    mek.configure()
-    yield
-    mek.configure()
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
 
 
 def _fp32_case(lens, H, HV, K, V, l2, keep, h0=True):

@@ -18,13 +18,6 @@ D = 256
 BUDGET = 1.0e-2  # relative RMS vs FP64 on the interpreter (bf16 operands; measured ~4e-3 out, ~7e-3 grads)
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
-
-
 def _cu(lens):
     return torch.tensor([0] + list(torch.tensor(lens, dtype=torch.int64).cumsum(0)), dtype=torch.int32)
 

@@ -22,13 +22,6 @@ SCALE = D ** -0.5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
-
-
 def _cu(lens, dev="cuda"):
     return torch.tensor([0] + list(torch.tensor(lens, dtype=torch.int64).cumsum(0)), dtype=torch.int32, device=dev)
 

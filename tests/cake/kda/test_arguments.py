@@ -13,20 +13,6 @@ from tests.cake._cli import parse_validated
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-@pytest.fixture(autouse=True)
-def _registered():
-    try:
-        registry.op_spec("kda")
-        ctx = None
-    except KeyError:
-        ctx = registry.registered(kda.OP)
-        ctx.__enter__()
-    yield
-    mek.configure()
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
-
-
 def test_declaration():
     op = kda.OP
     assert op.name == "kda" and registry.op_spec("kda") is op

@@ -6,7 +6,6 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
-from miles_ext_kernels.cake._runtime import registry
 
 pytestmark = pytest.mark.interpreter
 
@@ -44,21 +43,6 @@ BUDGETS = {
     "mild": {"o": 1.23e-2, "ht": 1.17e-2, "dq": 1.07e-2, "dk": 1.34e-2, "dv": 1.13e-2, "dg": 1.22e-2, "dbeta": 1.24e-2,
              "dh0": 1.03e-2},
 }
-
-
-@pytest.fixture(autouse=True)
-def _registered():
-    try:
-        registry.op_spec("kda")
-        ctx = None
-    except KeyError:
-        ctx = registry.registered(kda.OP)
-        ctx.__enter__()
-    mek.configure()
-    yield
-    mek.configure()
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
 
 
 # fp32 runs: every tensor within EXACT of FP64, dA_log / ddt_bias within EXACT_SUMS of their terms' scale. Those two

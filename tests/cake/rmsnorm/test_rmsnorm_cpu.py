@@ -18,13 +18,6 @@ pytestmark = pytest.mark.interpreter
 BF, F32 = torch.bfloat16, torch.float32
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
-
-
 def _inputs(shape, wdtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     H = shape[-1]

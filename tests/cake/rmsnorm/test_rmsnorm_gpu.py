@@ -22,15 +22,6 @@ SIZES = (2048, 5120)
 def _built():
     for h in SIZES:  # compile every route once, in parallel (the tests then load them)
         cake.prebuild("rmsnorm", hidden_size=h)
-    yield
-    mek.configure()
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
 
 
 def inputs(shape, wdtype, seed=0, device="cuda"):
