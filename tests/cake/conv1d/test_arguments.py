@@ -9,9 +9,8 @@ import pytest
 import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake import conv1d
+from tests._paths import ROOT
 from tests.cake._cli import parse_validated
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_declaration():

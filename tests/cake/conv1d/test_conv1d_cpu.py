@@ -11,6 +11,7 @@ from miles_ext_kernels.cake import conv1d
 from miles_ext_kernels.cake._impl.conv1d import configs, demo, ops, routes
 from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_grads
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
+from tests._paths import ROOT
 
 pytestmark = pytest.mark.interpreter
 
@@ -265,7 +266,6 @@ def test_torch_compile_before_the_implementation_is_imported():
     import sys
     import textwrap
 
-    root = __file__.rsplit("/tests/", 1)[0]
     script = textwrap.dedent("""
         import sys, torch
         from miles_ext_kernels.cake import conv1d
@@ -275,6 +275,6 @@ def test_torch_compile_before_the_implementation_is_imported():
         f = torch.compile(lambda x, w: conv1d.causal_conv1d(x, w), fullgraph=True, backend="aot_eager")
         print(float(f(x, w).float().abs().sum()) > 0)
     """)
-    env = dict(__import__("os").environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stderr[-2000:]

@@ -12,9 +12,9 @@ import miles_ext_kernels as mek
 from miles_ext_kernels.cake import conv1d
 from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_shift
 from miles_ext_kernels.cake._runtime.testing import check_budget
+from tests._paths import ROOT
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # Relative RMS vs FP64. y, dx and a bf16 dw are one bf16 rounding of an fp32 result; fla's causal_conv1d made
 # 1.672e-3 (y), 1.749e-3 (dx) and 1.746e-3 (bf16 dw) on the bench shape (bench/results/conv1d.json), so the budgets

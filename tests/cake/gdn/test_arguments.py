@@ -8,9 +8,8 @@ import pytest
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
 from miles_ext_kernels.cake._runtime import registry
+from tests._paths import ROOT
 from tests.cake._cli import parse_validated
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_declaration():

@@ -14,12 +14,12 @@ import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gqa as decl
 from miles_ext_kernels.cake._impl.gqa import demo, reference
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
+from tests._paths import ROOT
 
 pytestmark = pytest.mark.gpu
 BF = torch.bfloat16
 D = 256
 SCALE = D ** -0.5
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _cu(lens, dev="cuda"):
@@ -192,7 +192,6 @@ def test_packing_invariance():
             ref = got
         else:
             _equal(ref, got)
-
 
 
 def test_gluon_forward_matches_triton_forward_bits(monkeypatch):
