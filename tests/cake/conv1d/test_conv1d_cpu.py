@@ -8,10 +8,11 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import conv1d
-from miles_ext_kernels.cake._impl.conv1d import configs, demo, ops, routes
+from miles_ext_kernels.cake._impl.conv1d import configs, ops, routes
 from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_grads
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
 from tests._paths import ROOT
+from tests.cake._helpers import assert_demo_passes
 
 pytestmark = pytest.mark.interpreter
 
@@ -242,8 +243,7 @@ def test_routes_declared(monkeypatch):
 
 
 def test_demo_cpu():
-    rows = demo("cpu")
-    assert rows and all(r["ok"] for r in rows), rows
+    rows = assert_demo_passes(conv1d.OP, "cpu")
     assert {r["tensor"] for r in rows} == {"y", "dx", "dw"}
 
 

@@ -13,6 +13,7 @@ from miles_ext_kernels.cake import conv1d
 from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_shift
 from miles_ext_kernels.cake._runtime.testing import check_budget
 from tests._paths import ROOT
+from tests.cake._helpers import assert_demo_passes
 
 pytestmark = pytest.mark.gpu
 
@@ -176,9 +177,7 @@ def test_cpu_tensor_rejected():
 
 
 def test_demo_cuda():
-    from miles_ext_kernels.cake._impl.conv1d import demo
-    rows = demo("cuda")
-    assert rows and all(r["ok"] for r in rows), rows
+    assert_demo_passes(conv1d.OP, "cuda")
 
 
 @pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])

@@ -8,6 +8,7 @@ import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
 from miles_ext_kernels.cake._runtime import varlen
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
+from tests.cake._helpers import record_cu_seqlens_checks
 
 pytestmark = pytest.mark.interpreter
 
@@ -227,15 +228,7 @@ def test_torch_compile_fullgraph_traces():
 
 def test_check_seqlens_option_checks_on_the_host(monkeypatch):
     """With gdn_check_seqlens the boundaries go through the shared host check (exactly at T) before any launch."""
-    from miles_ext_kernels.cake._runtime import checks
-
-    seen = []
-    real = checks.check_cu_seqlens
-
-    def spy(name, cu, T, **kw):
-        seen.append((name, T, kw))
-        return real(name, cu, T, **kw)
-    monkeypatch.setattr(checks, "check_cu_seqlens", spy)
+    seen = record_cu_seqlens_checks(monkeypatch)
     d = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
     inp = d.make_inputs([5, 3], 1, 1, 16, 16, "cpu", seed=2, h0=False)
     mek.configure(gdn_check_seqlens=True)

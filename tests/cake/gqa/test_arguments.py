@@ -1,6 +1,5 @@
 """gqa declaration, check_supported, TP-rank validation and CLI flags (torch-free)."""
 import argparse
-import sys
 import types
 
 import pytest
@@ -9,6 +8,7 @@ import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake import gqa
 from tests.cake._cli import parse_validated
+from tests.cake._helpers import assert_import_is_torch_free
 
 
 def test_declaration():
@@ -23,11 +23,7 @@ def test_declaration():
 
 
 def test_declaration_is_torch_free():
-    import subprocess
-
-    code = ("import sys; import miles_ext_kernels.cake.gqa as g; g.check_supported(24, 4); "
-            "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(sys.modules)")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_import_is_torch_free("miles_ext_kernels.cake.gqa", "m.check_supported(24, 4)")
 
 
 @pytest.mark.parametrize("hq,hkv", [(16, 2), (8, 1), (24, 4), (3, 1), (1, 1), (2, 2), (32, 4), (6, 3)])
