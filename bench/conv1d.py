@@ -132,14 +132,22 @@ def declare() -> Bench:
 
 # ---------------------------------------------------------------------------------------------------- tuning
 FWD_CANDIDATES = [
-    {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 128, "CHUNK": 256, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 128, "CHUNK": 64, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 4, "num_warps": 1}]
+    {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 128, "CHUNK": 256, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 128, "CHUNK": 64, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 4, "num_warps": 1},
+]
 BWD_CANDIDATES = [
-    {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 128, "CHUNK": 256, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 64, "CHUNK": 256, "ROWS": 8, "num_warps": 1}, {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 4, "num_warps": 1},
-    {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 4, "num_warps": 1}]
+    {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 128, "CHUNK": 256, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 64, "CHUNK": 256, "ROWS": 8, "num_warps": 1},
+    {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 4, "num_warps": 1},
+    {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 4, "num_warps": 1},
+]
 
 
 def sweep(write_config: bool):

@@ -11,8 +11,8 @@
 Each op's public functions are importable from its declaration module (`cake.gqa.varlen_gqa_attention`) and
 from here (`cake.varlen_gqa_attention`); the implementation (torch, triton) loads on first call.
 """
-from ._runtime.spec import ARCH_BY_CAPABILITY
 from ._runtime.registry import OPS, op_spec, prebuild, release
+from ._runtime.spec import ARCH_BY_CAPABILITY
 
 
 def device_arch(device=None) -> str:

@@ -74,9 +74,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     are not computed: their outputs and gradients are undefined (uninitialised memory, possibly NaN); on a GPU
     a violation cannot be detected without a sync — it gives garbage outputs, never a read or write outside the
     tensors (the kernels clamp every document into [0, T]); on CPU it raises). A log-decay below -128 per token
-    counts as -128 (exp(-128) is 0 in fp32), so g = -inf, a full forget, gives the exact finite result. `configure(gdn_check_seqlens=True)`
-    (`--cake-gdn-check-seqlens`) checks them on the host before each call instead (one device sync per call;
-    eager mode).
+    counts as -128 (exp(-128) is 0 in fp32), so g = -inf, a full forget, gives the exact finite result.
+    `configure(gdn_check_seqlens=True)` (`--cake-gdn-check-seqlens`) checks them on the host before each call
+    instead (one device sync per call; eager mode).
     """
     from ._impl import gdn as impl  # a static import: torch.compile traces it (importlib it cannot)
 

@@ -15,8 +15,7 @@ import textwrap
 import torch
 
 from miles_ext_kernels import cake
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests._paths import ROOT
 
 
 def check_prebuild_here_and_on_a_node(tmp_path, op: str, params: dict, module: str, args: tuple = ()) -> None:

@@ -13,8 +13,6 @@ pytestmark = pytest.mark.multi_gpu
 @pytest.fixture(autouse=True)
 def _det():
     mek.configure(rmsnorm_variant="det", gated_rmsnorm_variant="det", conv1d_variant="det", gdn_variant="det")
-    yield
-    mek.configure()
 
 
 def _on(dev, tensors):

@@ -33,6 +33,7 @@ import sys
 import pytest
 import torch
 
+from tests._paths import ROOT
 from tests.integration import _hf_case as hc
 
 transformers = pytest.importorskip("transformers")
@@ -158,8 +159,7 @@ def test_import_is_torch_free():
             "bad = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]; "
             "assert not bad, bad")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
 
 
 def test_qwen3_5_padded_and_packed():

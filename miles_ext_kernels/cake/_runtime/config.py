@@ -238,7 +238,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add(DET_FLAG, "deterministic_mode", action="store_true", default=False,
         help="bitwise-reproducible training: every cake op runs its det variant")
     add(POOL_FLAG, "cake_workspace_pool_bytes", type=int, default=0,
-        help="bound (bytes per device) of the workspace pool that keeps backward scratch between calls; 0 keeps nothing")
+        help="bound (bytes per device) of the workspace pool that keeps backward scratch between calls; "
+             "0 keeps nothing")
     for spec in registry.all_ops():
         for dest, value in spec.selected_by:
             add(f"--{_dash(dest)}", dest, type=str, default=None,

@@ -7,8 +7,9 @@ it). With the bound at 0 (the default, `--cake-workspace-pool-bytes`) nothing is
 under the bound. A buffer is only ever handed to work on the stream it is keyed by, so stream order alone makes
 reuse safe — given that one host thread at a time enqueues an op's launches on a stream (as autograd's per-device
 thread does): an op that launches two kernels around one buffer must not be interleaved with another thread's call
-of the same op on the same stream. A stream that is capturing a CUDA graph allocates outside the pool (the graph's private pool owns
-that memory). A lock keeps the pool consistent across threads (autograd runs backward on its own threads).
+of the same op on the same stream. A stream that is capturing a CUDA graph allocates outside the pool (the graph's
+private pool owns that memory). A lock keeps the pool consistent across threads (autograd runs backward on its own
+threads).
 """
 from __future__ import annotations
 

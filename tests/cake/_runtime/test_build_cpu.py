@@ -5,14 +5,10 @@ import pytest
 import torch
 
 from miles_ext_kernels import cake
-from miles_ext_kernels.cake._runtime import build, registry
+from miles_ext_kernels.cake._runtime import build
 from tests.cake._runtime._ops import SYNTHETIC
 
-
-@pytest.fixture(autouse=True)
-def op():
-    with registry.registered(SYNTHETIC):
-        yield
+pytestmark = pytest.mark.registered_ops(SYNTHETIC)
 
 
 def test_prebuild_rejects_unknown_and_missing_params_first():

@@ -11,10 +11,10 @@ import torch
 import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake._runtime import build, registry
+from tests._paths import ROOT
 from tests.cake._runtime._ops import SYNTHETIC
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @pytest.fixture

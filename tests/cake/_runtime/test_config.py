@@ -1,6 +1,5 @@
 """Every configuration rule of DESIGN.md, on synthetic ops (so no rule passes vacuously for lack of real ops)."""
 import argparse
-import contextlib
 import dataclasses
 import logging
 
@@ -10,14 +9,7 @@ import miles_ext_kernels as mek
 from miles_ext_kernels.cake._runtime import config, registry
 from tests.cake._runtime._ops import DET_CLI_ONLY, FAST_ONLY, SYNTHETIC
 
-
-@pytest.fixture(autouse=True)
-def ops():
-    with contextlib.ExitStack() as stack:
-        for spec in (SYNTHETIC, FAST_ONLY, DET_CLI_ONLY):
-            stack.enter_context(registry.registered(spec))
-        yield
-    mek.configure()
+pytestmark = pytest.mark.registered_ops(SYNTHETIC, FAST_ONLY, DET_CLI_ONLY)
 
 
 def parse(*argv, parser=None):

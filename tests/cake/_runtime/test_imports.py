@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests._paths import ROOT
 
 
 def run(code: str) -> dict:

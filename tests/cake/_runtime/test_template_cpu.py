@@ -4,18 +4,13 @@ import pytest
 import torch
 
 import miles_ext_kernels as mek
-from miles_ext_kernels.cake._runtime import registry
 from miles_ext_kernels.cake._runtime.autograd import KernelOp
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
 from miles_ext_kernels.cake._runtime.operands import COPIES, copies, operand
 from tests.cake._runtime import _synthetic as syn
 from tests.cake._runtime._ops import SYNTHETIC
 
-
-@pytest.fixture(autouse=True)
-def _synthetic_registered():
-    with registry.registered(SYNTHETIC):
-        yield
+pytestmark = pytest.mark.registered_ops(SYNTHETIC)
 
 
 @pytest.mark.interpreter

@@ -12,12 +12,10 @@ ROLE = ("synthetic", "scratch")
 
 @pytest.fixture(autouse=True)
 def clean():
-    mek.configure()
     workspace.release()
     workspace.reset_stats()
     yield
     workspace.release()
-    mek.configure()
 
 
 def test_bound_zero_keeps_nothing():

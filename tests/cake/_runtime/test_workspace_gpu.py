@@ -15,7 +15,6 @@ def clean():
     workspace.reset_stats()
     yield
     workspace.release()
-    mek.configure()
 
 
 def test_cuda_streams_get_their_own_buffers():

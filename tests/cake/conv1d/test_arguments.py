@@ -1,8 +1,5 @@
 """conv1d declaration, check_supported and command-line flags: torch-free."""
 import argparse
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -10,14 +7,7 @@ import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake import conv1d
 from tests.cake._cli import parse_validated
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    yield
-    mek.configure()
+from tests.cake._helpers import assert_import_is_torch_free
 
 
 def test_declaration():
@@ -33,11 +23,7 @@ def test_declaration():
 
 
 def test_import_is_torch_free():
-    code = ("import sys; import miles_ext_kernels.cake.conv1d as m; m.check_supported(); "
-            "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert_import_is_torch_free("miles_ext_kernels.cake.conv1d", "m.check_supported()")
 
 
 def test_check_supported_accepts():

@@ -8,20 +8,15 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import conv1d
-from miles_ext_kernels.cake._impl.conv1d import configs, demo, ops, routes
+from miles_ext_kernels.cake._impl.conv1d import configs, ops, routes
 from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_grads
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
+from tests._paths import ROOT
+from tests.cake._helpers import assert_demo_passes
 
 pytestmark = pytest.mark.interpreter
 
 BUDGET = {"y": 7e-3, "dx": 7e-3, "dw32": 4e-3, "dw16": 8e-3}
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
 
 
 def make(T, D, W, wdt=torch.float32, seed=0, x_cols=None, x_off=0):
@@ -248,8 +243,7 @@ def test_routes_declared(monkeypatch):
 
 
 def test_demo_cpu():
-    rows = demo("cpu")
-    assert rows and all(r["ok"] for r in rows), rows
+    rows = assert_demo_passes(conv1d.OP, "cpu")
     assert {r["tensor"] for r in rows} == {"y", "dx", "dw"}
 
 
@@ -272,7 +266,6 @@ def test_torch_compile_before_the_implementation_is_imported():
     import sys
     import textwrap
 
-    root = __file__.rsplit("/tests/", 1)[0]
     script = textwrap.dedent("""
         import sys, torch
         from miles_ext_kernels.cake import conv1d
@@ -282,6 +275,6 @@ def test_torch_compile_before_the_implementation_is_imported():
         f = torch.compile(lambda x, w: conv1d.causal_conv1d(x, w), fullgraph=True, backend="aot_eager")
         print(float(f(x, w).float().abs().sum()) > 0)
     """)
-    env = dict(__import__("os").environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stderr[-2000:]

@@ -8,8 +8,9 @@ import textwrap
 
 import pytest
 
+from tests._paths import ROOT
+
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 SCRIPT = textwrap.dedent("""
     import json, sys, torch

@@ -9,6 +9,7 @@ from miles_ext_kernels.cake import gated_rmsnorm as decl
 from miles_ext_kernels.cake._impl.gated_rmsnorm.reference import grads_ref
 from miles_ext_kernels.cake._runtime.operands import copies
 from miles_ext_kernels.cake._runtime.testing import check_budget
+from tests.cake._helpers import assert_demo_passes
 
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.gated_rmsnorm.demo")
 ops = importlib.import_module("miles_ext_kernels.cake._impl.gated_rmsnorm.ops")
@@ -16,13 +17,6 @@ configs = importlib.import_module("miles_ext_kernels.cake._impl.gated_rmsnorm.co
 
 pytestmark = pytest.mark.interpreter
 BF, F32 = torch.bfloat16, torch.float32
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
 
 
 def _inputs(shape, wdtype, seed=0):
@@ -188,8 +182,7 @@ def test_compile_fullgraph_traces():
 
 
 def test_demo():
-    rows = decl.OP.impl().demo("cpu")
-    assert rows and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert_demo_passes(decl.OP, "cpu")
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])

@@ -11,6 +11,7 @@ from miles_ext_kernels.cake import gated_rmsnorm as decl
 from miles_ext_kernels.cake._impl.gated_rmsnorm.reference import grads_ref
 from miles_ext_kernels.cake._runtime.operands import copies
 from miles_ext_kernels.cake._runtime.testing import check_budget
+from tests.cake._helpers import assert_demo_passes
 
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.gated_rmsnorm.demo")
 
@@ -23,15 +24,6 @@ DIMS = (128, 256)
 def _built():
     for d in DIMS:
         cake.prebuild("gated_rmsnorm", head_dim=d)
-    yield
-    mek.configure()
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
 
 
 def inputs(shape, wdtype, seed=0):
@@ -138,7 +130,4 @@ def test_compile_fullgraph():
 
 
 def test_demo():
-    rows = decl.OP.impl().demo("cuda")
-    for r in rows:
-        print(r)
-    assert all(r["ok"] for r in rows)
+    assert_demo_passes(decl.OP, "cuda")

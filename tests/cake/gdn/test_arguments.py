@@ -1,7 +1,4 @@
 """gdn declaration, check_supported and command-line flags: torch-free."""
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -9,22 +6,7 @@ import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
 from miles_ext_kernels.cake._runtime import registry
 from tests.cake._cli import parse_validated
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-@pytest.fixture(autouse=True)
-def _registered():
-    try:
-        registry.op_spec("gdn")
-        ctx = None
-    except KeyError:
-        ctx = registry.registered(gdn.OP)
-        ctx.__enter__()
-    yield
-    mek.configure()
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
+from tests.cake._helpers import assert_import_is_torch_free
 
 
 def test_declaration():
@@ -48,11 +30,7 @@ def test_check_seqlens_flag():
 
 
 def test_import_is_torch_free():
-    code = ("import sys; import miles_ext_kernels.cake.gdn as m; m.check_supported(128, 128, 16, 32); "
-            "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert_import_is_torch_free("miles_ext_kernels.cake.gdn", "m.check_supported(128, 128, 16, 32)")
 
 
 def test_check_supported_accepts():

@@ -6,8 +6,9 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
-from miles_ext_kernels.cake._runtime import registry, varlen
+from miles_ext_kernels.cake._runtime import varlen
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
+from tests.cake._helpers import record_cu_seqlens_checks
 
 pytestmark = pytest.mark.interpreter
 
@@ -23,21 +24,6 @@ reference = importlib.import_module("miles_ext_kernels.cake._impl.gdn.reference"
 BUDGETS_VARLEN = {"o": 8.4e-3, "ht": 6.1e-3, "dq": 8.1e-3, "dk": 7.8e-3, "dv": 7.6e-3, "dg": 7.8e-3,
                   "dbeta": 5.9e-3, "dh0": 4.8e-3}
 BUDGETS_BATCH = {"o": 6.8e-3, "dq": 6.6e-3, "dk": 7.0e-3, "dv": 5.7e-3, "dg": 6.0e-3, "dbeta": 6.7e-3}
-
-
-@pytest.fixture(autouse=True)
-def _registered():
-    try:
-        registry.op_spec("gdn")
-        ctx = None
-    except KeyError:
-        ctx = registry.registered(gdn.OP)
-        ctx.__enter__()
-    mek.configure()
-    yield
-    mek.configure()
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
 
 
 def _fp32_case(lens, H, HV, K, V, l2, keep, h0=True):
@@ -242,15 +228,7 @@ def test_torch_compile_fullgraph_traces():
 
 def test_check_seqlens_option_checks_on_the_host(monkeypatch):
     """With gdn_check_seqlens the boundaries go through the shared host check (exactly at T) before any launch."""
-    from miles_ext_kernels.cake._runtime import checks
-
-    seen = []
-    real = checks.check_cu_seqlens
-
-    def spy(name, cu, T, **kw):
-        seen.append((name, T, kw))
-        return real(name, cu, T, **kw)
-    monkeypatch.setattr(checks, "check_cu_seqlens", spy)
+    seen = record_cu_seqlens_checks(monkeypatch)
     d = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
     inp = d.make_inputs([5, 3], 1, 1, 16, 16, "cpu", seed=2, h0=False)
     mek.configure(gdn_check_seqlens=True)

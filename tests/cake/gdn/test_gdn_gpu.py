@@ -13,9 +13,9 @@ import torch
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
+from tests._paths import ROOT
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
 
 H, HV, K, V = 16, 32, 128, 128

@@ -1,6 +1,5 @@
 """gqa declaration, check_supported, TP-rank validation and CLI flags (torch-free)."""
 import argparse
-import sys
 import types
 
 import pytest
@@ -9,6 +8,7 @@ import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake import gqa
 from tests.cake._cli import parse_validated
+from tests.cake._helpers import assert_import_is_torch_free
 
 
 def test_declaration():
@@ -23,11 +23,7 @@ def test_declaration():
 
 
 def test_declaration_is_torch_free():
-    import subprocess
-
-    code = ("import sys; import miles_ext_kernels.cake.gqa as g; g.check_supported(24, 4); "
-            "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(sys.modules)")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_import_is_torch_free("miles_ext_kernels.cake.gqa", "m.check_supported(24, 4)")
 
 
 @pytest.mark.parametrize("hq,hkv", [(16, 2), (8, 1), (24, 4), (3, 1), (1, 1), (2, 2), (32, 4), (6, 3)])
@@ -37,10 +33,12 @@ def test_supported(hq, hkv):
     assert gqa.is_supported(hq, hkv)
 
 
-@pytest.mark.parametrize("args,err,match", [((16, 3), ValueError, "multiple"), ((16, 2, 128), ValueError, "head_dim"),
-                                            ((0, 1), ValueError, "num_heads_q"), ((4, 0), ValueError, "num_heads_kv"),
-                                            ((16.0, 2), TypeError, "num_heads_q"), ((16, True), TypeError, "num_heads_kv"),
-                                            ((16, 2, "256"), TypeError, "head_dim")])
+@pytest.mark.parametrize("args,err,match", [
+    ((16, 3), ValueError, "multiple"), ((16, 2, 128), ValueError, "head_dim"),
+    ((0, 1), ValueError, "num_heads_q"), ((4, 0), ValueError, "num_heads_kv"),
+    ((16.0, 2), TypeError, "num_heads_q"), ((16, True), TypeError, "num_heads_kv"),
+    ((16, 2, "256"), TypeError, "head_dim"),
+])
 def test_refused(args, err, match):
     with pytest.raises(err, match=match):
         gqa.check_supported(*args)

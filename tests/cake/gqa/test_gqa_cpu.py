@@ -9,20 +9,14 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gqa as decl
-from miles_ext_kernels.cake._impl.gqa import demo, ops, reference
+from miles_ext_kernels.cake._impl.gqa import ops, reference
 from miles_ext_kernels.cake._runtime.testing import check_budget
+from tests.cake._helpers import assert_demo_passes
 
 pytestmark = pytest.mark.interpreter
 BF = torch.bfloat16
 D = 256
 BUDGET = 1.0e-2  # relative RMS vs FP64 on the interpreter (bf16 operands; measured ~4e-3 out, ~7e-3 grads)
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
 
 
 def _cu(lens):
@@ -273,8 +267,7 @@ def test_rejected_operands(monkeypatch):
 
 
 def test_demo_rows():
-    rows = demo("cpu")
-    assert rows and all(r["ok"] for r in rows), rows
+    rows = assert_demo_passes(decl.OP, "cpu")
     assert {r["tensor"] for r in rows} == {"out", "dq", "dk", "dv"}
 
 
@@ -313,7 +306,8 @@ def test_round_order_choice():
     from miles_ext_kernels.cake._impl.gqa import ops
 
     c = dict(BM=64, BN=64)
-    assert not ops._use_round(True, 4, 100, None, 2, 2, None, c) and not ops._use_round(True, 1, 100, 100, 2, 2, None, c)
+    assert not ops._use_round(True, 4, 100, None, 2, 2, None, c)
+    assert not ops._use_round(True, 1, 100, 100, 2, 2, None, c)
     assert ops._use_round(True, 2, 100, 50, 1, 1, None, c) and not ops._use_round(False, 2, 100, 50, 1, 1, None, c)
     assert not ops._use_round("auto", 4, 100, 60, 2, 2, None, c)  # documents far from equal
     for h_kv, group in ((2, 8), (1, 8), (1, 3)):

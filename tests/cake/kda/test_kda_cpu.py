@@ -6,7 +6,7 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
-from miles_ext_kernels.cake._runtime import registry
+from tests.cake._helpers import record_cu_seqlens_checks
 
 pytestmark = pytest.mark.interpreter
 
@@ -44,21 +44,6 @@ BUDGETS = {
     "mild": {"o": 1.23e-2, "ht": 1.17e-2, "dq": 1.07e-2, "dk": 1.34e-2, "dv": 1.13e-2, "dg": 1.22e-2, "dbeta": 1.24e-2,
              "dh0": 1.03e-2},
 }
-
-
-@pytest.fixture(autouse=True)
-def _registered():
-    try:
-        registry.op_spec("kda")
-        ctx = None
-    except KeyError:
-        ctx = registry.registered(kda.OP)
-        ctx.__enter__()
-    mek.configure()
-    yield
-    mek.configure()
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
 
 
 # fp32 runs: every tensor within EXACT of FP64, dA_log / ddt_bias within EXACT_SUMS of their terms' scale. Those two
@@ -198,15 +183,7 @@ def test_torch_compile_fullgraph_traces():
 
 def test_check_seqlens_option_checks_on_the_host(monkeypatch):
     """With kda_check_seqlens the boundaries go through the shared host check (exactly at T) before any launch."""
-    from miles_ext_kernels.cake._runtime import checks
-
-    seen = []
-    real = checks.check_cu_seqlens
-
-    def spy(name, cu, T, **kw):
-        seen.append((name, T, kw))
-        return real(name, cu, T, **kw)
-    monkeypatch.setattr(checks, "check_cu_seqlens", spy)
+    seen = record_cu_seqlens_checks(monkeypatch)
     inp = demo_mod.make_inputs([5, 3], 1, 1, 16, 16, "cpu", seed=2, h0=False)
     mek.configure(kda_check_seqlens=True)
     kda.chunk_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], cu_seqlens=inp["cu"])

@@ -14,9 +14,9 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
+from tests._paths import ROOT
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.kda.demo")
 
 H, HV, K, V = 32, 32, 128, 128

@@ -9,6 +9,7 @@ from miles_ext_kernels.cake import rmsnorm as decl
 from miles_ext_kernels.cake._impl.rmsnorm.reference import grads_ref, zero_centered_rmsnorm_ref
 from miles_ext_kernels.cake._runtime.operands import copies
 from miles_ext_kernels.cake._runtime.testing import check_budget
+from tests.cake._helpers import assert_demo_passes
 
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.rmsnorm.demo")
 ops = importlib.import_module("miles_ext_kernels.cake._impl.rmsnorm.ops")
@@ -16,13 +17,6 @@ configs = importlib.import_module("miles_ext_kernels.cake._impl.rmsnorm.configs"
 
 pytestmark = pytest.mark.interpreter
 BF, F32 = torch.bfloat16, torch.float32
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
 
 
 def _inputs(shape, wdtype, seed=0):
@@ -224,8 +218,7 @@ def test_module():
 
 
 def test_demo():
-    rows = decl.OP.impl().demo("cpu")
-    assert rows and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert_demo_passes(decl.OP, "cpu")
 
 
 @pytest.mark.parametrize("H", [2048, 5120, 320])

@@ -10,6 +10,7 @@ from miles_ext_kernels.cake import rmsnorm as decl
 from miles_ext_kernels.cake._impl.rmsnorm.reference import grads_ref
 from miles_ext_kernels.cake._runtime.operands import copies
 from miles_ext_kernels.cake._runtime.testing import check_budget
+from tests.cake._helpers import assert_demo_passes
 
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.rmsnorm.demo")
 
@@ -22,15 +23,6 @@ SIZES = (2048, 5120)
 def _built():
     for h in SIZES:  # compile every route once, in parallel (the tests then load them)
         cake.prebuild("rmsnorm", hidden_size=h)
-    yield
-    mek.configure()
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    mek.configure()
-    yield
-    mek.configure()
 
 
 def inputs(shape, wdtype, seed=0, device="cuda"):
@@ -139,10 +131,7 @@ def test_compile_fullgraph_and_module():
 
 
 def test_demo():
-    rows = decl.OP.impl().demo("cuda")
-    for r in rows:
-        print(r)
-    assert all(r["ok"] for r in rows)
+    assert_demo_passes(decl.OP, "cuda")
 
 
 def test_cuda_graph_capture_replays_the_same_bits():

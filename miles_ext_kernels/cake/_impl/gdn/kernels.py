@@ -31,8 +31,15 @@ import triton.language as tl
 
 # the gate-independent kernels and helpers live in the delta-rule core shared with kda (moved unchanged)
 from ..delta_rule import common
-from ..delta_rule.common import (_dot, _dot32, _inv_unit_lower, _rnd, _store_a, bwd_final_kernel,  # noqa: F401
-                                 l2norm_fwd_kernel)
+from ..delta_rule.common import (  # noqa: F401 - still names of this module after the move
+    _dot,
+    _dot32,
+    _inv_unit_lower,
+    _rnd,
+    _store_a,
+    bwd_final_kernel,
+    l2norm_fwd_kernel,
+)
 
 BT = common.BT  # chunk length
 G_FLOOR = common.G_FLOOR

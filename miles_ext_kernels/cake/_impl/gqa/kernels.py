@@ -32,7 +32,6 @@ import triton.language as tl
 
 from ..._runtime.constants import LN2, LOG2E
 
-
 # runtime ints and floats: never specialized, so the set of compiled routes is finite
 _RUNTIME = ["sm_scale", "T_q", "T_k", "n_seg", "n_iter", "H_q", "H_kv", "group"]
 
