@@ -65,3 +65,44 @@ def key_head_sums(pairs, R: int, H: int, HV: int, K: int, use_l2: bool, cfg: dic
     for x, dxv, dx in pairs:
         launch(common.bwd_final_kernel, grid, x=x, dxv=dxv, dx=dx, R=R, H=H, HV=HV, K=K, BR=BR, L2=use_l2,
                INTERPRET=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the config tables' reading, shared by gdn and kda (`cm` is the op's configs module: DEFAULT_STAGES, NARROW_BELOW
+# are read when a call runs, so a test may patch them)
+def launch_opts(tab: dict, name: str, cm) -> dict:
+    """Launch options of one kernel: num_warps, num_stages (cm.DEFAULT_STAGES unless its entry says)."""
+    c = tab[name]
+    return dict(num_warps=c["num_warps"], num_stages=c.get("num_stages", cm.DEFAULT_STAGES))
+
+
+def block_v(tab: dict, name: str, V: int) -> int:
+    return min(V, tab[name]["BV"])
+
+
+def state_cfg(tab: dict, name: str, V: int, seq_heads: int, cm) -> tuple:
+    """(config name, BV) of a sequential state kernel ("h": fwd_h, "dh": bwd_dh), which runs one program per
+    (sequence, value head, BV block): the narrow config when the wide tiles would leave most SMs idle."""
+    bv = block_v(tab, name, V)
+    if seq_heads * (V // bv) < cm.NARROW_BELOW and block_v(tab, name + "_narrow", V) < bv:
+        name += "_narrow"
+        bv = block_v(tab, name, V)
+    return name, bv
+
+
+def dqkw_opts(tab: dict, phase: int, cm) -> dict:
+    c = launch_opts(tab, "dqkw", cm)
+    if phase == 2:  # the dk launch has its own warp count
+        c["num_warps"] = tab["dqkw"]["num_warps_dk"]
+    return c
+
+
+def partial_dtype(tab: dict, dt):
+    """dtype of the per-value-head dq, dk sums read by the per-key-head sum: the input dtype (one more rounding,
+    half the bytes) or fp32."""
+    return dt if tab["final"]["LOW_PARTIALS"] else torch.float32
+
+
+def dk_dtype(tab: dict, dt):
+    """dtype of dqkw's dk part, read back (and completed) by the WY backward: the input dtype or fp32."""
+    return dt if tab["final"]["LOW_DK"] else torch.float32

@@ -40,23 +40,15 @@ INTERPRET = build.INTERPRET
 
 
 def _cfg(tab: dict, name: str) -> dict:
-    """Launch options of one kernel: num_warps, num_stages (configs.DEFAULT_STAGES unless its entry says)."""
-    c = tab[name]
-    return dict(num_warps=c["num_warps"], num_stages=c.get("num_stages", configs.DEFAULT_STAGES))
+    return core.launch_opts(tab, name, configs)
 
 
 def _bv(tab: dict, name: str, V: int) -> int:
-    return min(V, tab[name]["BV"])
+    return core.block_v(tab, name, V)
 
 
 def _state_cfg(tab: dict, name: str, V: int, seq_heads: int) -> tuple:
-    """(config name, BV) of a sequential state kernel ("h": fwd_h, "dh": bwd_dh), which runs one program per
-    (sequence, value head, BV block): the narrow config when the wide tiles would leave most SMs idle."""
-    bv = _bv(tab, name, V)
-    if seq_heads * (V // bv) < configs.NARROW_BELOW and _bv(tab, name + "_narrow", V) < bv:
-        name += "_narrow"
-        bv = _bv(tab, name, V)
-    return name, bv
+    return core.state_cfg(tab, name, V, seq_heads, configs)
 
 
 def _dqkw_launches(tab: dict, K: int) -> list:
@@ -67,10 +59,7 @@ def _dqkw_launches(tab: dict, K: int) -> list:
 
 
 def _dqkw_cfg(tab: dict, phase: int) -> dict:
-    c = _cfg(tab, "dqkw")
-    if phase == 2:  # the dk launch has its own warp count
-        c["num_warps"] = tab["dqkw"]["num_warps_dk"]
-    return c
+    return core.dqkw_opts(tab, phase, configs)
 
 
 def _rows_cfg(tab: dict, name: str) -> dict:
@@ -78,13 +67,11 @@ def _rows_cfg(tab: dict, name: str) -> dict:
 
 
 def _pdt(tab: dict, dt):
-    """dtype of the per-value-head dq, dk sums read by bwd_final: the input dtype or fp32."""
-    return dt if tab["final"]["LOW_PARTIALS"] else torch.float32
+    return core.partial_dtype(tab, dt)
 
 
 def _kdt(tab: dict, dt):
-    """dtype of dqkw's dk part, read back (and completed) by the WY backward: the input dtype or fp32."""
-    return dt if tab["final"]["LOW_DK"] else torch.float32
+    return core.dk_dtype(tab, dt)
 
 
 def gate_kind(use_gate_in_kernel: bool, lower_bound) -> int:
