@@ -7,6 +7,7 @@
     release(op=None)        forget prebuild records, free the workspace pool; returns bytes freed
     device_arch(device)     "sm_90a" for an H100/H200; NotImplementedError for a GPU no op serves
     ARCH_BY_CAPABILITY      {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+    build_cp_context(...)   the context parallelism plan of one step, for gdn / kda / conv1d's `cp_context=`
 
 Each op's public functions are importable from its declaration module (`cake.gqa.varlen_gqa_attention`) and
 from here (`cake.varlen_gqa_attention`); the implementation (torch, triton) loads on first call.
@@ -19,6 +20,28 @@ def device_arch(device=None) -> str:
     from ._runtime import build
 
     return build.device_arch(device)
+
+
+def build_cp_context(cu_seqlens_global, group, *, conv1d_kernel_size=None, layout="contiguous"):
+    """The context-parallel (CP) plan of one step, for `cp_context=` of gdn, kda and conv1d (build it once per step,
+    pass it to every layer).
+
+    - cu_seqlens_global: int32 / int64 `[N + 1]` of the whole packed stream (host or device: read on the host once,
+      here).
+    - group: a torch.distributed process group (NCCL for GPU tensors; gloo runs CPU tensors).
+    - layout="contiguous": rank r holds tokens [r T / W, (r + 1) T / W) (T % W == 0, else ValueError);
+      layout="zigzag": Megatron's THD CP layout: every document cut in 2W equal chunks, rank r holds chunks r and
+      2W - 1 - r of each document, documents in order (each length a multiple of 2W, else ValueError).
+      Documents may straddle ranks anywhere.
+    - conv1d_kernel_size: the width W_conv of the conv1d calls that will use the context (their halo is the last
+      W_conv - 1 inputs of a document before a rank's piece).
+    The ops then take the rank's tokens (B = 1, in layout order) with `cp_context=ctx`; `ctx.cu_seqlens` are the
+    rank's pieces as local documents. Each layer call runs a fixed number of all_gathers sized by states / halos
+    (never by T) and no host sync; det bits repeat for a given (layout, W, cu_seqlens_global).
+    """
+    from ._runtime import cp
+
+    return cp.build_cp_context(cu_seqlens_global, group, conv1d_kernel_size=conv1d_kernel_size, layout=layout)
 
 
 def no_build():
@@ -36,5 +59,6 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["OPS", "op_spec", "prebuild", "no_build", "release", "device_arch", "ARCH_BY_CAPABILITY"] + [
+__all__ = ["OPS", "op_spec", "prebuild", "no_build", "release", "device_arch", "ARCH_BY_CAPABILITY",
+           "build_cp_context"] + [
     e for s in OPS for e in s.entry_points]

@@ -1,0 +1,375 @@
+"""Context parallelism (CP): which pieces of which documents each rank holds, the one collective the ops call, and a
+driver that runs W ranks' stages in one process.
+
+A packed stream of documents (`cu_seqlens_global`) is cut over the W ranks of a group:
+- `contiguous`: rank r holds tokens [r T / W, (r + 1) T / W) (fla's layout; T % W == 0);
+- `zigzag`: Megatron's THD layout: each document is cut in 2W equal chunks and rank r holds chunks r and 2W - 1 - r
+  of every document, documents in order (each document's length a multiple of 2W).
+A *piece* is the non-empty part of one document on one rank; a rank's pieces, in its token order, are its local
+documents (`CPContext.cu_seqlens`). A piece with a predecessor (an earlier piece of its document, on any rank)
+*imports* state; a piece with a successor *exports* it. The ops exchange fixed-size per-rank buffers (one
+`all_gather` per direction and layer call, sized by states / halos and the plan, never by T) and read the gathered
+buffers through the index tables of the plan, built here once per step on the host.
+
+Recurrent ops (gdn, kda) chain their states: piece p's incoming state is the fold over its document's earlier
+pieces q (in order) of S <- M_q S + E_q, with E_q the state q ends in from a zero state and M_q its transition; the
+gradient goes the other way (G <- M_q^T G + D_q over the later pieces, D_q being the state gradient q's start gets
+from a zero end gradient). conv1d reads a halo: the last W_conv - 1 inputs of a document before a piece.
+
+`run_simulated` runs the stages of W ranks in one process (the GPU tests and `bench/cp.py` on one GPU); a process
+group runs them over torch.distributed (NCCL on GPUs, gloo for CPU tensors).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+@dataclass(frozen=True)
+class Piece:
+    doc: int          # document index in cu_seqlens_global
+    index: int        # position among the document's non-empty pieces
+    count: int        # number of non-empty pieces of the document
+    rank: int
+    seg: int          # local document index on its rank
+    start: int        # global token range [start, end)
+    end: int
+
+    @property
+    def imports(self) -> bool:
+        return self.index > 0
+
+    @property
+    def exports(self) -> bool:
+        return self.index < self.count - 1
+
+
+def _int_list(name: str, cu) -> list:
+    if isinstance(cu, torch.Tensor):
+        if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D int32 / int64 tensor, got {cu.dtype} with shape "
+                            f"{tuple(cu.shape)}")
+        return [int(x) for x in cu.detach().to("cpu").tolist()]
+    if isinstance(cu, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in cu):
+        return list(cu)
+    raise TypeError(f"{name} must be a 1-D int32 / int64 tensor or a list of ints, got {type(cu).__name__}")
+
+
+def plan(cu_seqlens_global, world: int, layout: str = "contiguous") -> tuple[list, int]:
+    """(pieces of every rank: a list per rank, in local token order; total tokens T). Checks the layout's rules."""
+    cu = _int_list("cu_seqlens_global", cu_seqlens_global)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"the CP group size must be a positive int, got {world!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens_global must rise from 0 with at least 2 entries, got {cu[:8]}...")
+    T = cu[-1]
+    spans: list = [[] for _ in range(world)]  # per rank: (doc, start, end) in local order
+    if layout == "contiguous":
+        if T % world != 0:
+            raise ValueError(f"layout='contiguous' needs the token count T={T} to be a multiple of the CP size "
+                             f"{world}")
+        share = T // world
+        for r in range(world):
+            lo_r, hi_r = r * share, (r + 1) * share
+            for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+                lo, hi = max(a, lo_r), min(b, hi_r)
+                if hi > lo:
+                    spans[r].append((d, lo, hi))
+    else:
+        for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            if (b - a) % (2 * world) != 0:
+                raise ValueError(f"layout='zigzag' needs every document's length to be a multiple of 2 x CP size = "
+                                 f"{2 * world}; document {d} has {b - a} tokens")
+            c = (b - a) // (2 * world)
+            if c == 0:
+                continue
+            for r in range(world):
+                for p in (r, 2 * world - 1 - r):
+                    spans[r].append((d, a + p * c, a + (p + 1) * c))
+    # order each document's pieces by their global start: that is the recurrence's order
+    by_doc: dict = {}
+    for r, lst in enumerate(spans):
+        for s, (d, lo, hi) in enumerate(lst):
+            by_doc.setdefault(d, []).append((lo, hi, r, s))
+    pieces: list = [[None] * len(lst) for lst in spans]
+    for d, lst in by_doc.items():
+        lst.sort()
+        for i, (lo, hi, r, s) in enumerate(lst):
+            pieces[r][s] = Piece(d, i, len(lst), r, s, lo, hi)
+    return pieces, T
+
+
+class Comm:
+    """The one collective the ops need: `all_gather(x)` -> [W, *x.shape], rank order."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._nccl = dist.get_backend(group) == "nccl"
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        out = x.new_empty((self.world,) + tuple(x.shape))
+        if self._nccl:
+            dist.all_gather_into_tensor(out, x, group=self.group)
+        else:
+            dist.all_gather(list(out.unbind(0)), x, group=self.group)
+        return out
+
+
+@dataclass
+class CPContext:
+    """One rank's view of a CP plan (built once per step by `build_cp_context`; read by every layer's call).
+
+    cu_seqlens    int32 [n_local + 1] on the device: the rank's pieces as local documents
+    num_tokens    the rank's token count
+    pieces        this rank's pieces (host), `all_pieces` every rank's
+    n_export / n_import   per rank: how many pieces export / import state; the gathered buffers hold
+                  `max_export` / `max_import` slots per rank
+    """
+    layout: str
+    world: int
+    rank: int
+    comm: Optional[Comm]
+    device: torch.device
+    all_pieces: list
+    total_tokens: int
+    conv1d_kernel_size: Optional[int] = None
+    cu_seqlens: torch.Tensor = field(init=False)
+    _cache: dict = field(init=False, default_factory=dict)
+
+    def __post_init__(self):
+        self.pieces = self.all_pieces[self.rank]
+        cu = [0]
+        for p in self.pieces:
+            cu.append(cu[-1] + p.end - p.start)
+        self.num_tokens = cu[-1]
+        self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=self.device)
+        self.export_slots = [[p.seg for p in lst if p.exports] for lst in self.all_pieces]
+        self.import_slots = [[p.seg for p in lst if p.imports] for lst in self.all_pieces]
+        self.max_export = max(1, max(len(x) for x in self.export_slots))
+        self.max_import = max(1, max(len(x) for x in self.import_slots))
+
+    # ------------------------------------------------------------------------------------------------ tables
+    def _tensor(self, key, rows, dtype=torch.int64):
+        if key not in self._cache:
+            self._cache[key] = torch.tensor(rows, dtype=dtype, device=self.device)
+        return self._cache[key]
+
+    def _slot(self, p: Piece, kind: str) -> int:
+        """Flat index of piece p's slot in a gathered [W, max_slots, ...] buffer."""
+        if kind == "export":
+            return p.rank * self.max_export + self.export_slots[p.rank].index(p.seg)
+        return p.rank * self.max_import + self.import_slots[p.rank].index(p.seg)
+
+    def _doc_pieces(self, doc: int) -> list:
+        return sorted((p for lst in self.all_pieces for p in lst if p.doc == doc), key=lambda p: p.index)
+
+    @property
+    def export_segs(self) -> torch.Tensor:
+        """int64 [n_export]: local documents whose end state another piece needs."""
+        return self._tensor("export", self.export_slots[self.rank])
+
+    @property
+    def import_segs(self) -> torch.Tensor:
+        """int64 [n_import]: local documents that start from another piece's state."""
+        return self._tensor("import", self.import_slots[self.rank])
+
+    @property
+    def n_export(self) -> int:
+        return len(self.export_slots[self.rank])
+
+    @property
+    def n_import(self) -> int:
+        return len(self.import_slots[self.rank])
+
+    def state_chain(self) -> torch.Tensor:
+        """int64 [n_import, L, 2]: per importing piece, the (E, M) flat export slots of its document's earlier
+        pieces in recurrence order (-1 pads): S <- M S + E from S = 0."""
+        if "fwd_chain" not in self._cache:
+            rows = []
+            for p in self.pieces:
+                if p.imports:
+                    rows.append([(self._slot(q, "export"),) * 2 for q in self._doc_pieces(p.doc)[:p.index]])
+            self._cache["fwd_chain"] = _padded(rows, self.device)
+        return self._cache["fwd_chain"]
+
+    def grad_chain(self) -> torch.Tensor:
+        """int64 [n_export, L, 2]: per exporting piece, the (D import slot, M export slot) of its document's later
+        pieces from the last back (-1 pads; the last piece has no M): G <- M^T G + D from G = 0."""
+        if "bwd_chain" not in self._cache:
+            rows = []
+            for p in self.pieces:
+                if p.exports:
+                    later = self._doc_pieces(p.doc)[p.index + 1:]
+                    rows.append([(self._slot(q, "import"), self._slot(q, "export") if q.exports else -1)
+                                 for q in reversed(later)])
+            self._cache["bwd_chain"] = _padded(rows, self.device)
+        return self._cache["bwd_chain"]
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            raise RuntimeError("this CP context has no process group (a simulated rank): run its stages with "
+                               "cake._runtime.cp.run_simulated")
+        return self.comm.all_gather(x)
+
+
+def _padded(rows: list, device) -> torch.Tensor:
+    L = max([len(r) for r in rows] + [1])
+    out = torch.full((len(rows), L, 2), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+    return out.to(device)
+
+
+def _check_kernel_size(conv1d_kernel_size):
+    if conv1d_kernel_size is None:
+        return None
+    if isinstance(conv1d_kernel_size, bool) or not isinstance(conv1d_kernel_size, int) or conv1d_kernel_size < 1:
+        raise ValueError(f"conv1d_kernel_size must be a positive int or None, got {conv1d_kernel_size!r}")
+    return conv1d_kernel_size
+
+
+def build_cp_context(cu_seqlens_global, group, *, conv1d_kernel_size: Optional[int] = None,
+                     layout: str = "contiguous", device=None) -> CPContext:
+    """See `miles_ext_kernels.cake.build_cp_context`."""
+    import torch.distributed as dist
+
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group must be a torch.distributed process group (init_process_group first); for W "
+                         "simulated ranks in one process use cake._runtime.cp.simulated_contexts")
+    comm = Comm(group)
+    pieces, T = plan(cu_seqlens_global, comm.world, layout)
+    if device is None:
+        device = (cu_seqlens_global.device if isinstance(cu_seqlens_global, torch.Tensor)
+                  and cu_seqlens_global.device.type != "cpu" else
+                  torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+                  else torch.device("cpu"))
+    return CPContext(layout, comm.world, comm.rank, comm, torch.device(device), pieces, T,
+                     _check_kernel_size(conv1d_kernel_size))
+
+
+def simulated_contexts(cu_seqlens_global, world: int, *, layout: str = "contiguous",
+                       conv1d_kernel_size: Optional[int] = None, device="cpu") -> list:
+    """The W contexts of a plan, without a process group (for `run_simulated`)."""
+    pieces, T = plan(cu_seqlens_global, world, layout)
+    return [CPContext(layout, world, r, None, torch.device(device), pieces, T, _check_kernel_size(conv1d_kernel_size))
+            for r in range(world)]
+
+
+def shard(x: torch.Tensor, ctx: CPContext, dim: int = 1) -> torch.Tensor:
+    """Rank ctx.rank's tokens of a whole-stream tensor (along `dim`), in its local order: for tests and benchmarks
+    (a real run gets its shard from the data pipeline)."""
+    parts = [x.narrow(dim, p.start, p.end - p.start) for p in ctx.pieces]
+    if not parts:
+        return x.narrow(dim, 0, 0)
+    return torch.cat(parts, dim)
+
+
+def unshard(parts: list, contexts: list, dim: int = 1) -> torch.Tensor:
+    """The whole-stream tensor from every rank's local tensor (inverse of `shard`)."""
+    chunks = []
+    for c, x in zip(contexts, parts):
+        off = 0
+        for p in c.pieces:
+            chunks.append((p.start, x.narrow(dim, off, p.end - p.start)))
+            off += p.end - p.start
+    chunks.sort(key=lambda t: t[0])
+    return torch.cat([t for _, t in chunks], dim)
+
+
+# ---------------------------------------------------------------------------------------------------- stages
+# An op's CP pass is a generator per rank: it yields the buffer it contributes to an all_gather and receives the
+# gathered [W, ...] buffer back (any number of rounds, the same on every rank); its return value is its result.
+def run_rank(stage, ctx: CPContext):
+    """Run one rank's stage generator over its context's process group."""
+    try:
+        buf = next(stage)
+        while True:
+            buf = stage.send(ctx.all_gather(buf))
+    except StopIteration as done:
+        return done.value
+
+
+def run_simulated(stages: list) -> list:
+    """Run W ranks' stage generators in lockstep in one process: each round stacks the ranks' buffers in rank order
+    (what all_gather would give every rank) and sends the stack to each. Returns the ranks' results."""
+    results: list = [None] * len(stages)
+    live = list(range(len(stages)))
+    bufs: dict = {}
+    for r in live:
+        try:
+            bufs[r] = next(stages[r])
+        except StopIteration as done:
+            results[r] = done.value
+    live = [r for r in live if r in bufs]
+    while live:
+        if len(live) != len(stages):
+            raise RuntimeError("simulated CP ranks disagree on their number of collectives")
+        gathered = torch.stack([bufs[r] for r in live])
+        nxt: dict = {}
+        for r in live:
+            try:
+                nxt[r] = stages[r].send(gathered)
+            except StopIteration as done:
+                results[r] = done.value
+        bufs = nxt
+        live = [r for r in live if r in bufs]
+    return results
+
+
+def stage_function(forward: Callable, backward: Callable):
+    """An autograd.Function whose forward and backward are CP stage generators run over the context's group.
+    forward(ctx_cp, *tensors) -> (outputs tuple, saved); backward(ctx_cp, saved, *grads) -> input grads tuple."""
+    class _CP(torch.autograd.Function):
+        @staticmethod
+        def forward(fctx, cp_ctx, *args):
+            outs, saved = run_rank(forward(cp_ctx, *args), cp_ctx)
+            fctx.cp_ctx, fctx.saved = cp_ctx, saved
+            return outs
+
+        @staticmethod
+        def backward(fctx, *grads):
+            grads_in = run_rank(backward(fctx.cp_ctx, fctx.saved, *grads), fctx.cp_ctx)
+            fctx.saved = None
+            return (None,) + tuple(grads_in)
+
+    return _CP
+
+
+def simulate(forward, backward, contexts: list, tensors: list, params: list = (), args: tuple = (), grad_out=None,
+             token_dim: int = 1):
+    """An op's CP pass over W simulated ranks on whole-stream tensors: `tensors` are sharded (along token_dim),
+    `params` given whole to every rank, then forward(ctx, *shards, *params, *args) per rank. Returns (output, grads):
+    whole-stream output; with `grad_out`, the gradients of `tensors` (unsharded) then of `params` (the ranks'
+    partials summed in rank order, as the caller's all-reduce would), None where a stage returned None."""
+    fw = run_simulated([forward(c, *[shard(t, c, token_dim) for t in tensors], *params, *args) for c in contexts])
+    out = unshard([r[0] for r in fw], contexts, token_dim)
+    if grad_out is None:
+        return out, None
+    bw = run_simulated([backward(c, r[1], shard(grad_out, c, token_dim)) for c, r in zip(contexts, fw)])
+    grads = []
+    for i in range(len(tensors) + len(params)):
+        parts = [b[i] for b in bw]
+        if any(p is None for p in parts):
+            grads.append(None)
+        elif i < len(tensors):
+            grads.append(unshard(parts, contexts, token_dim))
+        else:
+            total = parts[0].clone()
+            for p in parts[1:]:
+                total += p
+            grads.append(total)
+    return out, grads
