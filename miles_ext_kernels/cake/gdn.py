@@ -52,7 +52,7 @@ def check_supported(head_k_dim, head_v_dim, num_k_heads=1, num_v_heads=1) -> Non
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, cp_context=None):
     """Gated delta rule over packed documents; returns `(o [B, T, HV, V], final_state [N, HV, K, V] or None)`.
 
     - q, k: `[B, T, H, K]` bf16; v: `[B, T, HV, V]` bf16, HV a multiple of H (value head hv reads key head
@@ -77,9 +77,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     counts as -128 (exp(-128) is 0 in fp32), so g = -inf, a full forget, gives the exact finite result.
     `configure(gdn_check_seqlens=True)` (`--cake-gdn-check-seqlens`) checks them on the host before each call
     instead (one device sync per call; eager mode).
+
+    Context parallelism: `cp_context=cake.build_cp_context(cu_seqlens_global, group, layout=...)` and the rank's
+    tokens (B = 1, the rank's shard in layout order): the documents come from the context (cu_seqlens must be
+    None), initial_state / output_final_state are not served (ValueError, as fla). The ranks exchange their
+    chunk states (one all_gather of 4 HV K (V + K) bytes per piece that continues on another rank, forward; one
+    of 4 HV K V per piece that continues one, backward) and chain them in fp32 in a fixed order: det bits repeat
+    for a given layout, group size and cu_seqlens. Eager only (the collectives run inside an autograd.Function).
     """
     from ._impl import gdn as impl  # a static import: torch.compile traces it (importlib it cannot)
 
     return impl.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                        output_final_state=output_final_state,
-                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                                       cp_context=cp_context)

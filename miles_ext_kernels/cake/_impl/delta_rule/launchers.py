@@ -77,7 +77,11 @@ def launch_opts(tab: dict, name: str, cm) -> dict:
 
 
 def block_v(tab: dict, name: str, V: int) -> int:
-    return min(V, tab[name]["BV"])
+    """The config's BV, halved until it divides V (V + K columns of context parallelism's extra state pass)."""
+    bv = min(V, tab[name]["BV"])
+    while V % bv:
+        bv //= 2
+    return bv
 
 
 def state_cfg(tab: dict, name: str, V: int, seq_heads: int, cm) -> tuple:

@@ -19,10 +19,12 @@ import torch
 from miles_ext_kernels.cake._runtime import build, checks, config
 from miles_ext_kernels.cake._runtime.autograd import KernelOp
 from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
+from miles_ext_kernels.cake._runtime.cp import simulate, stage_function
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
 from miles_ext_kernels.cake.gdn import HEAD_DIMS  # the declaration owns the served head dims
 from miles_ext_kernels.cake.gdn import OP as SPEC
 
+from ..delta_rule import cp as cp_core
 from ..delta_rule import launchers as core
 from . import configs
 from . import kernels as kn
@@ -157,25 +159,27 @@ def _rows_cfg(tab: dict, name: str) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 # launchers (no autograd)
-def _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_prefix):
-    """Run the state recurrence; returns (h, vn, ht)."""
+def _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_prefix, store_h=True):
+    """Run the state recurrence; returns (h, vn, ht). store_h off: the final state only (h, vn empty)."""
     T = kk.shape[0] * kk.shape[1]
-    h = (_ws(ws_prefix + "h", (P, HV, K, V), dt, device) if ws_prefix
-         else torch.empty(P, HV, K, V, dtype=dt, device=device))
-    vn = (_ws(ws_prefix + "vn", (T, HV, V), dt, device) if ws_prefix
-          else torch.empty(T, HV, V, dtype=dt, device=device))
+    if not store_h:
+        h = vn = _empty0(device, dt)
+    elif ws_prefix:
+        h, vn = _ws(ws_prefix + "h", (P, HV, K, V), dt, device), _ws(ws_prefix + "vn", (T, HV, V), dt, device)
+    else:
+        h, vn = torch.empty(P, HV, K, V, dtype=dt, device=device), torch.empty(T, HV, V, dtype=dt, device=device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_ht else _empty0(device)
     cname, BV = _state_cfg(tab, "h", V, N * HV)
     launch(kn.fwd_h_kernel, (N * HV, V // BV), k=kk, w=w, u=u, gc=gc, se=se, h0=h0 if h0 is not None else gc, h=h,
            vn=vn, ht=ht if want_ht else gc, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None,
-           STORE_HT=want_ht, INTERPRET=INTERPRET, **_cfg(tab, cname))
+           STORE_HT=want_ht, STORE_H=store_h, INTERPRET=INTERPRET, **_cfg(tab, cname))
     return h, vn, ht
 
 
-def _wu(tab, kk, v, beta, gc, A, se, table, H, HV, K, V, P, device, dt, ws: bool):
+def _wu(tab, kk, v, beta, gc, A, se, table, H, HV, K, V, P, device, dt, ws: bool, ws_u: bool = True):
     T = kk.shape[0] * kk.shape[1]
     w = _ws("w", (T, HV, K), dt, device) if ws else torch.empty(T, HV, K, dtype=dt, device=device)
-    u = _ws("u", (T, HV, V), dt, device)
+    u = _ws("u", (T, HV, V), dt, device) if ws_u else torch.empty(T, HV, V, dtype=dt, device=device)
     launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=beta, gc=gc, A=A, se=se, table=table, w=w, u=u, H=H, HV=HV,
            K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
     return w, u
@@ -188,6 +192,14 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, ht, then what the backward needs: qn, kk, gc, A, w, h, vn, se, table). Both variants run these kernels.
     Operands already checked."""
+    return cp_core.drive(forward_stage(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2,
+                                       keep_state))
+
+
+def forward_stage(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state,
+                  cp=None):
+    """gdn_forward as a stage generator: under a CP context (`cp`, whose cu_seqlens the call reads) it exchanges
+    states with the other ranks before the recurrence (`delta_rule/cp.py`) and also returns the gathered buffer."""
     tab, (B, T, H, K, HV, V), q, k, v = _operands(q, k, v)
     device, dt, Tt = q.device, q.dtype, B * T
     # the L2 norm first: the GPU runs it while the host prepares the chunk table and the next launches (launched
@@ -204,7 +216,16 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     A = torch.empty(Tt, HV, BT, dtype=dt, device=device)
     launch(kn.fwd_prep_kernel, (P, HV), k=kk, g=gf, beta=bf, se=se, table=table, gc=gc, A=A, H=H, HV=HV, K=K, BT=BT,
            INTERPRET=INTERPRET, **_cfg(tab, "prep"))
-    w, u = _wu(tab, kk, v, bf, gc, A, se, table, H, HV, K, V, P, device, dt, ws=not keep_state)
+    # under CP, w and u outlive the exchange (other ranks' stages may run in between): no scratch
+    w, u = _wu(tab, kk, v, bf, gc, A, se, table, H, HV, K, V, P, device, dt, ws=not keep_state and cp is None,
+               ws_u=cp is None)
+    gathered = None
+    if cp is not None:
+        def run_state(se_x, u_x, h0_x, VX):
+            return _fwd_state(tab, kk, w, u_x, gc, se_x, h0_x, se_x.shape[0], HV, H, K, VX, P, True, device, dt,
+                              ws_prefix=None, store_h=False)[2]
+
+        h0, gathered = yield from cp_core.incoming_states(cp, se, u, HV, K, V, run_state)
     h, vn, ht = _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, output_final_state, device, dt,
                            ws_prefix=None if keep_state else "f_")
     o = torch.empty(B, T, HV, V, dtype=dt, device=device)
@@ -214,7 +235,8 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         w, h, vn = _empty0(device, dt), _empty0(device, dt), _empty0(device, dt)
     if not use_l2:
         qn, kk = _empty0(device, dt), _empty0(device, dt)
-    return o, ht, qn, kk, gc, A, w, h, vn, se, table
+    res = (o, ht, qn, kk, gc, A, w, h, vn, se, table)
+    return res if cp is None else (res, h0, gathered)
 
 
 def gdn_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
@@ -225,6 +247,15 @@ def gdn_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: tor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, dbeta, dh0; dh0 empty without an initial state). `do` / `dht` None: no gradient reached o /
     the final state."""
+    return cp_core.drive(backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, se, table,
+                                        scale, use_l2, keep_state, output_final_state))
+
+
+def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, se, table, scale, use_l2,
+                   keep_state, output_final_state=True, cp=None, gathered_fwd=None):
+    """gdn_backward as a stage generator: under a CP context (`cp`; `initial_state` then the forward's incoming
+    states, `gathered_fwd` its gathered buffer) it exchanges state gradients with the other ranks before the reverse
+    recurrence and returns no dh0."""
     tab, (B, T, H, K, HV, V), q, k, v = _operands(q, k, v)
     device, dt, Tt = q.device, q.dtype, B * T
     N, P = se.shape[0], table.shape[0]
@@ -238,22 +269,31 @@ def gdn_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: tor
         dht = None
     if not keep_state:
         h0 = _c(initial_state.to(torch.float32), "initial_state") if initial_state is not None else None
-        w, _u = _wu(tab, kk, v, bf, gc, A, se, table, H, HV, K, V, P, device, dt, ws=True)
-        h, vn, _ = _fwd_state(tab, kk, w, _u, gc, se, h0, N, HV, H, K, V, P, False, device, dt, ws_prefix="b_")
+        w, _u = _wu(tab, kk, v, bf, gc, A, se, table, H, HV, K, V, P, device, dt, ws=cp is None, ws_u=cp is None)
+        h, vn, _ = _fwd_state(tab, kk, w, _u, gc, se, h0, N, HV, H, K, V, P, False, device, dt,
+                              ws_prefix="b_" if cp is None else None)
     grid = (P, HV)
-    dvl = _ws("dvl", (Tt, HV, V), dt, device)
+    dvl = _ws("dvl", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
     launch(kn.bwd_dvl_kernel, grid, q=qn, k=kk, do=do, gc=gc, se=se, table=table, dvl=dvl, scale=float(scale), H=H,
            HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
-    dhe = _ws("dhe", (P, HV, K, V), dt, device)
-    dd = _ws("dd", (Tt, HV, V), dt, device)
-    want_dh0 = initial_state is not None
-    dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_dh0 else None
-    dhtf = _c(dht.to(torch.float32), "dht") if dht is not None else None
-    cname, BV = _state_cfg(tab, "dh", V, N * HV)
-    launch(kn.bwd_dh_kernel, (N * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se,
-           dht=dhtf if dhtf is not None else gc, dh0=dh0 if want_dh0 else gc, dhe=dhe, dd=dd, scale=float(scale),
-           H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhtf is not None, STORE_DH0=want_dh0, INTERPRET=INTERPRET,
-           **_cfg(tab, cname))
+
+    def run_dh(se_x, dht_x, want_dh0):
+        n = se_x.shape[0]
+        dhe = _ws("dhe", (P, HV, K, V), dt, device)
+        dd = _ws("dd", (Tt, HV, V), dt, device)
+        dh0 = torch.empty(n, HV, K, V, dtype=torch.float32, device=device) if want_dh0 else None
+        cname, BV = _state_cfg(tab, "dh", V, n * HV)
+        launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
+               dht=dht_x if dht_x is not None else gc, dh0=dh0 if want_dh0 else gc, dhe=dhe, dd=dd,
+               scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dht_x is not None,
+               STORE_DH0=want_dh0, INTERPRET=INTERPRET, **_cfg(tab, cname))
+        return dhe, dd, dh0
+
+    if cp is not None:
+        dht = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x: run_dh(se_x, None,
+                                                                                                 True)[2])
+    want_dh0 = initial_state is not None and cp is None
+    dhe, dd, dh0 = run_dh(se, _c(dht.to(torch.float32), "dht") if dht is not None else None, want_dh0)
     pdt = _pdt(tab, dt)
     dqv = _ws("dqv", (Tt, HV, K), pdt, device)
     kdt = _kdt(tab, dt)  # dk of dqkw, read back by the WY backward
@@ -325,22 +365,47 @@ GDN = KernelOp(OP, forward=gdn_forward, forward_fake=_forward_fake, setup=_setup
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, cp_context=None):
+    if cp_context is not None:
+        cp_core.check_call(OP, cp_context, q, cu_seqlens, initial_state, output_final_state)
+        cu_seqlens = cp_context.cu_seqlens
     _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    if cu_seqlens is not None and config.option(OP, "check_seqlens"):
+    if cu_seqlens is not None and cp_context is None and config.option(OP, "check_seqlens"):
         checks.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[1], must_end_at_total=True)
     keep_state = not config.option(OP, "recompute_state")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if cp_context is not None:
+        o = GDN_CP.apply(cp_context, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, keep_state)
+        return o, None
     o, ht = GDN(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel,
                 keep_state)
     return o, (ht if output_final_state else None)
+
+
+def cp_forward_stage(cp, q, k, v, g, beta, scale, use_l2, keep_state):
+    """One rank's CP forward (a stage generator, `_runtime/cp.py`): (o, what cp_backward_stage needs)."""
+    res, h0, gathered = yield from forward_stage(q, k, v, g, beta, None, cp.cu_seqlens, scale, False, use_l2,
+                                                 keep_state, cp=cp)
+    return res[0], (q, k, v, g, beta, h0, res[2:], gathered, scale, use_l2, keep_state)
+
+
+def cp_backward_stage(cp, saved, do):
+    """One rank's CP backward (a stage generator): the gradients of q, k, v, g, beta (then None for the rest)."""
+    q, k, v, g, beta, h0, (qn, kk, gc, A, w, h, vn, se, table), gathered, scale, use_l2, keep_state = saved
+    dq, dk, dv, dg, db, _ = yield from backward_stage(do, None, q, k, qn, kk, v, g, beta, h0, gc, A, w, h, vn, se,
+                                                      table, scale, use_l2, keep_state, False, cp=cp,
+                                                      gathered_fwd=gathered)
+    return dq, dk, dv, dg, db, None, None, None
+
+
+GDN_CP = stage_function(cp_forward_stage, cp_backward_stage)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 def routes(head_k_dim: int = 128, head_v_dim: int = 128):
     """Every kernel specialization a call with these head dims can launch: the launchers above run on meta tensors
     over every flag (L2 norm, initial / final state, kept / recomputed states, wide / narrow state tiles, int32 /
-    int64 / no cu_seqlens) and record their launches."""
+    int64 / no cu_seqlens, context parallelism) and record their launches."""
     K, V = head_k_dim, head_v_dim
     if K not in HEAD_DIMS or V not in HEAD_DIMS:
         raise ValueError(f"head dims must be in {HEAD_DIMS}, got head_k_dim={K}, head_v_dim={V}")
@@ -365,4 +430,12 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
                                 res = gdn_forward(q, q, v, g, g, init, cu, 1.0, final, use_l2, keep)
                                 gdn_backward(v, h0 if final else None, q, q, *res[2:4], v, g, g, init, *res[4:], 1.0,
                                              use_l2, keep, final, "det")
+        for ctxs in cp_core.route_plans():  # context parallelism's extra passes and its chain kernel
+            T = ctxs[0].total_tokens
+            q = torch.empty(1, T, H, K, dtype=torch.bfloat16, **meta)
+            v = torch.empty(1, T, HV, V, dtype=torch.bfloat16, **meta)
+            g = torch.empty(1, T, HV, **meta)
+            for keep in (False, True):
+                simulate(cp_forward_stage, cp_backward_stage, ctxs, [q, q, v, g, g], args=(1.0, True, keep),
+                         grad_out=v)
     return rs.routes

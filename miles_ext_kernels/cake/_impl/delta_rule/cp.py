@@ -1,0 +1,140 @@
+"""Context parallelism of the chunked delta rule (gdn, kda): the state exchange both ops run inside their forward
+and backward (see `_runtime/cp.py` for the plan and the stage protocol).
+
+Forward, per rank: the pieces that export run the op's state recurrence once more from [0 | I] with [u | 0] (V + K
+value columns: the delta rule's state is column-independent in V, so the first V columns end in E, the state from
+a zero start, and the last K in M, the piece's K x K transition) -> one all_gather of [max_export, HV, K, V + K]
+fp32 -> each importing piece folds its document's earlier pieces, S <- M S + E in fp32 and a fixed order (one
+launch) -> the op's own recurrence and output with S as the piece's initial state.
+Backward, per rank: after the in-chunk d(dlt), the pieces that import run the reverse recurrence from a zero end
+gradient: D, the gradient their start state gets -> one all_gather of [max_import, HV, K, V] fp32 -> each exporting
+piece folds its document's later pieces from the last back, G <- M^T G + D -> the op's reverse recurrence with G
+as the piece's final-state gradient. A rank moves 4 HV K (V + K) bytes per exporting piece forward and
+4 HV K V per importing piece backward (times W received), whatever T.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from miles_ext_kernels.cake._runtime.launch import launch
+
+CHAIN_BV = 32
+
+
+@triton.jit(do_not_specialize=["L", "HV", "ldE", "ldM"])
+def chain_kernel(E, M, table, dest, out, L, HV, ldE, ldM, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                 TRANS: tl.constexpr):
+    """out[dest[i], hv] = the fold over table[i] of S <- op(M[m]) S + E[e] from S = 0 (op = transpose under TRANS;
+    m = -1: no transition; e = -1: padding), in fp32 and the table's order. E [F, HV, K, ldE] and M [F, HV, K, ldM]
+    (the first V / K columns read)."""
+    i = tl.program_id(0)
+    hv = tl.program_id(1)
+    iv = tl.program_id(2)
+    o_k = tl.arange(0, K)
+    o_v = iv * BV + tl.arange(0, BV)
+    S = tl.zeros([K, BV], dtype=tl.float32)
+    for step in range(0, L):
+        e = tl.load(table + (i * L + step) * 2)
+        m = tl.load(table + (i * L + step) * 2 + 1)
+        if e >= 0:
+            if m >= 0:
+                base = M + (m * HV + hv) * K * ldM
+                if TRANS:
+                    b_m = tl.load(base + o_k[None, :] * ldM + o_k[:, None])
+                else:
+                    b_m = tl.load(base + o_k[:, None] * ldM + o_k[None, :])
+                S = tl.dot(b_m, S, input_precision="ieee")
+            S += tl.load(E + (e * HV + hv) * K * ldE + o_k[:, None] * ldE + o_v[None, :])
+    d = tl.load(dest + i)
+    tl.store(out + (d * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :], S)
+
+
+def chain(E: torch.Tensor, M: torch.Tensor, table: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, V: int,
+          trans: bool) -> None:
+    """Fold `table` ([n, L, 2] (E slot, M slot)) into out[dest] ([N, HV, K, V] fp32); E / M: gathered buffers
+    viewed [F, HV, K, ld] (M already offset to its first column)."""
+    n, L = table.shape[0], table.shape[1]
+    HV, K = out.shape[1], out.shape[2]
+    if n == 0:
+        return
+    bv = min(CHAIN_BV, V)
+    launch(chain_kernel, (n, HV, V // bv), E=E, M=M, table=table, dest=dest, out=out, L=L, HV=HV, ldE=E.stride(2),
+           ldM=M.stride(2), K=K, V=V, BV=bv, TRANS=trans, num_warps=4)
+
+
+def incoming_states(cp, se: torch.Tensor, u: torch.Tensor, HV: int, K: int, V: int, run_state):
+    """Stage generator (forward): yields this rank's [max_export, HV, K, V + K] buffer, receives the gathered one;
+    returns (h0 [N, HV, K, V] fp32 or None when no piece imports, gathered). run_state(se_rows, u_ext, h0_ext, V_ext)
+    runs the op's state recurrence over the given sequences and returns their final states [n, HV, K, V_ext] fp32."""
+    device = u.device
+    VX = V + K
+    buf = torch.zeros(cp.max_export, HV, K, VX, dtype=torch.float32, device=device)
+    n_exp = cp.n_export
+    if n_exp:
+        se_x = se.index_select(0, cp.export_segs)
+        u_x = torch.cat([u, u.new_zeros(u.shape[:-1] + (K,))], dim=-1)
+        h0_x = torch.zeros(n_exp, HV, K, VX, dtype=torch.float32, device=device)
+        h0_x[..., V:] = torch.eye(K, dtype=torch.float32, device=device)
+        buf[:n_exp] = run_state(se_x, u_x, h0_x, VX)
+    gathered = yield buf
+    gathered = gathered.view(-1, HV, K, VX)
+    h0 = None
+    if cp.n_import:
+        h0 = torch.zeros(se.shape[0], HV, K, V, dtype=torch.float32, device=device)
+        chain(gathered, gathered[..., V:], cp.state_chain(), cp.import_segs, h0, V, trans=False)
+    return h0, gathered
+
+
+def outgoing_grads(cp, se: torch.Tensor, gathered_fwd: torch.Tensor, HV: int, K: int, V: int, run_dh):
+    """Stage generator (backward): yields this rank's [max_import, HV, K, V] buffer of D, receives the gathered one;
+    returns dht [N, HV, K, V] fp32 (None when no piece exports). run_dh(se_rows) runs the op's reverse recurrence
+    from a zero end gradient over the given sequences and returns the gradients of their start states
+    [n, HV, K, V] fp32."""
+    device = gathered_fwd.device
+    buf = torch.zeros(cp.max_import, HV, K, V, dtype=torch.float32, device=device)
+    if cp.n_import:
+        buf[:cp.n_import] = run_dh(se.index_select(0, cp.import_segs))
+    gathered = (yield buf).view(-1, HV, K, V)
+    if not cp.n_export:
+        return None
+    dht = torch.zeros(se.shape[0], HV, K, V, dtype=torch.float32, device=device)
+    chain(gathered, gathered_fwd[..., V:], cp.grad_chain(), cp.export_segs, dht, V, trans=True)
+    return dht
+
+
+def check_call(op: str, cp, q, cu_seqlens, initial_state, output_final_state) -> None:
+    """The arguments a CP call may not combine with its context (ValueError / TypeError before any launch)."""
+    from miles_ext_kernels.cake._runtime.cp import CPContext
+
+    if not isinstance(cp, CPContext):
+        raise TypeError(f"{op}: cp_context must come from cake.build_cp_context, got {type(cp).__name__}")
+    if cu_seqlens is not None:
+        raise ValueError(f"{op}: pass cu_seqlens or cp_context, not both (the context holds the rank's documents)")
+    if initial_state is not None or output_final_state:
+        raise ValueError(f"{op}: initial_state and output_final_state are not served with cp_context")
+    if isinstance(q, torch.Tensor) and q.dim() >= 2 and (q.shape[0] != 1 or q.shape[1] != cp.num_tokens):
+        raise ValueError(f"{op}: with cp_context q must be [1, {cp.num_tokens}, ...] (this rank's tokens), got "
+                         f"{tuple(q.shape)}")
+    if isinstance(q, torch.Tensor) and q.device != cp.device:
+        raise ValueError(f"{op}: cp_context was built for {cp.device}, q is on {q.device}")
+
+
+def route_plans(device="meta") -> list:
+    """CP plans whose simulated ranks launch every CP specialization (an op's routes() runs them on meta tensors):
+    one exporting / importing piece per rank (the narrow state tiles), and 40 per rank (the wide ones)."""
+    from miles_ext_kernels.cake._runtime.cp import simulated_contexts
+
+    return [simulated_contexts([0, 96, 192], 3, device=device),
+            simulated_contexts(list(range(0, 4 * 41, 4)), 2, layout="zigzag", device=device)]
+
+
+def drive(stage):
+    """The result of a stage generator that must not communicate (no CP context)."""
+    try:
+        next(stage)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a delta-rule pass without a CP context tried to communicate")
+

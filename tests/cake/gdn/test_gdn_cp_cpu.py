@@ -1,0 +1,116 @@
+"""gdn under context parallelism, W simulated ranks in one process through Triton's interpreter: against the FP64
+recurrence on the whole stream (fp32 operands: the algebra to fp32 rounding; bf16: the one-process budgets), det
+bits on a repeat, and the argument rules of a CP call."""
+import importlib
+
+import pytest
+import torch
+
+from miles_ext_kernels.cake._runtime import cp as rcp
+from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
+
+pytestmark = pytest.mark.interpreter
+
+ops = importlib.import_module("miles_ext_kernels.cake._impl.gdn.ops")
+demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
+reference = importlib.import_module("miles_ext_kernels.cake._impl.gdn.reference")
+BUDGETS = importlib.import_module("tests.cake.gdn.test_gdn_cpu").BUDGETS_VARLEN
+
+NAMES = ("q", "k", "v", "g", "beta")
+# (layout, W, document lengths): documents straddling ranks, a rank inside one document only (no boundary: its
+# transition M carries the state through), empty documents, chunk +- 1 pieces, zigzag pieces of 1 token
+CASES = [
+    ("contiguous", 2, [15, 70, 50, 1]),
+    ("contiguous", 3, [200, 0, 40]),       # rank 1 holds the middle of the first document only
+    ("contiguous", 4, [63, 65, 64, 64]),
+    ("zigzag", 2, [64, 128, 0, 4]),        # the 4-token document: four 1-token pieces
+    ("zigzag", 3, [132, 66, 6]),
+]
+
+
+def _whole(inp, f64=False):
+    return [inp[n].double() if f64 else inp[n] for n in NAMES]
+
+
+def _fp64(inp, l2):
+    leaves = [x.double().requires_grad_(True) for x in _whole(inp)]
+    o, _ = reference.gdn_reference(*leaves, use_qk_l2norm_in_kernel=l2, cu_seqlens=inp["cu"])
+    o.backward(inp["do"].double())
+    return o.detach(), [x.grad for x in leaves]
+
+
+def _cp(inp, layout, W, l2, keep=True, fp32=False):
+    ctxs = rcp.simulated_contexts(inp["cu"], W, layout=layout)
+    xs = [x.float() for x in _whole(inp)] if fp32 else _whole(inp)
+    do = inp["do"].float() if fp32 else inp["do"]
+    K = inp["q"].shape[-1]
+    return rcp.simulate(ops.cp_forward_stage, ops.cp_backward_stage, ctxs, xs, args=(K ** -0.5, l2, keep),
+                        grad_out=do)
+
+
+@pytest.mark.parametrize("layout, W, lens", CASES)
+def test_cp_algebra_exact_in_fp32(layout, W, lens):
+    """With fp32 operands every output and gradient of the CP pass (local passes, [u | 0] from [0 | I], the fp32
+    chain, the reverse chain) matches the FP64 recurrence on the whole stream to fp32 rounding."""
+    inp = demo_mod.make_inputs(lens, 1, 2, 16, 32, "cpu", h0=False)
+    ro, rg = _fp64(inp, True)
+    o, grads = _cp(inp, layout, W, True, keep=(W % 2 == 0), fp32=True)
+    errs = {"o": rel_rms(o, ro)} | {"d" + n: rel_rms(gr, r) for n, gr, r in zip(NAMES, grads, rg)}
+    for name, err in errs.items():
+        assert err < 5e-6, (name, err, errs)
+
+
+@pytest.mark.parametrize("layout, W, lens", [CASES[0], CASES[3]])
+def test_cp_bf16_within_the_one_process_budgets_and_det_bits(layout, W, lens):
+    """bf16: the CP pass's error against FP64 is within the budgets of the one-process call (each rejecting a 2 %
+    error), and a repeat gives the same bits."""
+    inp = demo_mod.make_inputs(lens, 1, 2, 32, 32, "cpu", h0=False)
+    ro, rg = _fp64(inp, True)
+    o, grads = _cp(inp, layout, W, True)
+    check_budget("o", o, ro, BUDGETS["o"])
+    for n, gr, r in zip(NAMES, grads, rg):
+        check_budget("d" + n, gr, r, BUDGETS["d" + n])
+    o2, grads2 = _cp(inp, layout, W, True)
+    assert torch.equal(o, o2)
+    for a, b in zip(grads, grads2):
+        assert torch.equal(a, b)
+
+
+def test_plan_pieces_and_tables():
+    """The plan's pieces tile every document in order; a contiguous rank inside one document exports and imports
+    through its transition; zigzag gives each rank chunks r and 2W - 1 - r."""
+    pieces, T = rcp.plan([0, 200, 200, 240], 3, "contiguous")
+    assert T == 240
+    assert [(p.doc, p.start, p.end) for p in pieces[1]] == [(0, 80, 160)]
+    assert pieces[1][0].imports and pieces[1][0].exports
+    ctx = rcp.simulated_contexts([0, 200, 200, 240], 3)[2]
+    assert ctx.cu_seqlens.tolist() == [0, 40, 80]
+    # piece (doc 0, [160, 200)) folds pieces [0, 80) then [80, 160): slots of rank 0 then rank 1 (one per rank)
+    assert ctx.state_chain().tolist() == [[[0, 0], [1, 1]]]
+    assert ctx.grad_chain().tolist() == [[[-1, -1]]] or ctx.n_export == 0
+    zz, _ = rcp.plan([0, 8], 2, "zigzag")
+    assert [(p.start, p.end) for p in zz[0]] == [(0, 2), (6, 8)]
+    assert [(p.start, p.end) for p in zz[1]] == [(2, 4), (4, 6)]
+    with pytest.raises(ValueError, match="multiple of the CP size"):
+        rcp.plan([0, 7], 2, "contiguous")
+    with pytest.raises(ValueError, match="multiple of 2 x CP size"):
+        rcp.plan([0, 8, 14], 2, "zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        rcp.plan([0, 8], 2, "ring")
+
+
+def test_cp_call_argument_rules():
+    """cp_context combined with cu_seqlens, an initial state or the final state, a foreign object, or tensors that
+    are not the rank's tokens: ValueError / TypeError before any launch."""
+    inp = demo_mod.make_inputs([64], 1, 2, 16, 16, "cpu", h0=False)
+    ctx = rcp.simulated_contexts(inp["cu"], 2)[0]
+    x = [rcp.shard(t, ctx) for t in _whole(inp)]
+    from miles_ext_kernels.cake import gdn
+    with pytest.raises(ValueError, match="not both"):
+        gdn.chunk_gated_delta_rule(*x, cu_seqlens=ctx.cu_seqlens, cp_context=ctx)
+    with pytest.raises(ValueError, match="output_final_state"):
+        gdn.chunk_gated_delta_rule(*x, output_final_state=True, cp_context=ctx)
+    with pytest.raises(TypeError, match="build_cp_context"):
+        gdn.chunk_gated_delta_rule(*x, cp_context=object())
+    with pytest.raises(ValueError, match="rank's tokens"):
+        gdn.chunk_gated_delta_rule(*_whole(inp), cp_context=ctx)
