@@ -78,7 +78,13 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       accepted, read as fp32; its gradient in its dtype), N = B, or the number of documents with cu_seqlens.
       output_final_state: a bool; the final state is fp32 in the same layout.
     - cu_seqlens: None, or int32 / int64 `[N + 1]` on q's device with B = 1 (packed documents).
-    - cp_context: context parallelism is not served yet: anything but None raises NotImplementedError.
+    - cp_context: context parallelism (`cake.build_cp_context(cu_seqlens_global, group, layout=...)`) with the
+      rank's tokens (B = 1, its shard in layout order): the documents come from the context (cu_seqlens must be
+      None); initial_state / output_final_state are not served (ValueError, as fla). The ranks exchange chunk
+      states (one all_gather of 4 HV K (V + K) bytes per piece that continues on another rank, forward; one of
+      4 HV K V per piece that continues one, backward) chained in fp32 in a fixed order: det bits repeat for a
+      given layout, group size and cu_seqlens. dA_log / ddt_bias are this rank's partial sums: the caller's
+      data-parallel / CP all-reduce adds them (as Megatron does for every parameter). Eager only.
     - o: bf16 `[B, T, HV, V]`, contiguous. Every tensor argument must be on q's device (ValueError otherwise).
 
     With `use_qk_l2norm_in_kernel`, q and k are L2-normalised per head first (x / sqrt(sum x^2 + 1e-6)) and the

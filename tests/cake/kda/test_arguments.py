@@ -78,7 +78,7 @@ def _gated():
 
 BF = torch.bfloat16
 BAD = [
-    (dict(cp_context=object()), NotImplementedError, "cp_context"),
+    (dict(cp_context=object()), TypeError, "cp_context"),
     (dict(q=torch.randn(1, 8, 1, 16)), TypeError, "^q must be bfloat16"),
     (dict(k=torch.randn(1, 8, 1, 16).to(BF)[:, :4]), ValueError, "^k must have the shape of q"),
     (dict(q=torch.randn(1, 8, 2, 16).to(BF), k=torch.randn(1, 8, 2, 16).to(BF), v=torch.randn(1, 8, 3, 16).to(BF)),

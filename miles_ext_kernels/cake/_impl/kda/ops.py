@@ -22,10 +22,12 @@ import torch
 from miles_ext_kernels.cake._runtime import build, checks, config
 from miles_ext_kernels.cake._runtime.autograd import KernelOp
 from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
+from miles_ext_kernels.cake._runtime.cp import simulate, stage_function
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
 from miles_ext_kernels.cake.kda import HEAD_DIMS, SAFE_LOWER_BOUND  # the declaration owns what is served
 from miles_ext_kernels.cake.kda import OP as SPEC
 
+from ..delta_rule import cp as cp_core
 from ..delta_rule import launchers as core
 from . import configs
 from . import kernels as kn
@@ -90,8 +92,6 @@ def _check_flag(name: str, flag) -> None:
 
 def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
            A_log, dt_bias, safe_gate, lower_bound, transpose_state_layout, cu_seqlens, cp_context):
-    if cp_context is not None:
-        raise NotImplementedError("kda: cp_context (context parallelism) is not served yet; pass cp_context=None")
     for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel",
                                                                      use_qk_l2norm_in_kernel),
                        ("use_gate_in_kernel", use_gate_in_kernel), ("safe_gate", safe_gate),
@@ -193,6 +193,15 @@ def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, ht, then what the backward needs: qn, kk, gc, A, Aqk, w, h, vn, se, table). Both variants run these
     kernels. Operands already checked."""
+    return cp_core.drive(forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
+                                       lower_bound, gate, output_final_state, use_l2, trans_state))
+
+
+def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, gate,
+                  output_final_state, use_l2, trans_state, cp=None):
+    """kda_forward as a stage generator: under a CP context (`cp`, whose cu_seqlens the call reads; states in the
+    [K, V] layout) it exchanges states with the other ranks before the recurrence (`delta_rule/cp.py`) and also
+    returns (h0, the gathered buffer)."""
     tab = configs.CONFIGS[arch_of(q, "q")]
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -219,23 +228,36 @@ def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
            A=A, Aqk=Aqk, scale=float(scale), lower_bound=float(lower_bound), H=H, HV=HV, K=K, BT=BT, GATE=gate,
            INTERPRET=INTERPRET, **_cfg(tab, "prep"))
     w = torch.empty(Tt, HV, K, dtype=dt, device=device)
-    u = _ws("u", (Tt, HV, V), dt, device)
+    # under CP, u outlives the exchange (other ranks' stages may run in between): no scratch
+    u = _ws("u", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
     launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=bf, gc=gc, A=A, se=se, table=table, w=w, u=u, H=H, HV=HV, K=K,
            V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
-    h = torch.empty(P, HV, K, V, dtype=dt, device=device)
-    vn = torch.empty(Tt, HV, V, dtype=dt, device=device)
-    ht_shape = (N, HV, V, K) if trans_state else (N, HV, K, V)
-    ht = torch.empty(ht_shape, dtype=torch.float32, device=device) if output_final_state else core.empty0(device)
-    cname, BV = _state_cfg(tab, "h", V, N * HV)
-    launch(kn.fwd_h_kernel, (N * HV, V // BV), k=kk, w=w, u=u, gc=gc, se=se, h0=h0 if h0 is not None else gc, h=h,
-           vn=vn, ht=ht if output_final_state else gc, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None,
-           STORE_HT=output_final_state, TRANS_STATE=trans_state, INTERPRET=INTERPRET, **_cfg(tab, cname))
+
+    def run_state(se_x, u_x, h0_x, n, VX, want_ht, store_h):
+        h = torch.empty(P, HV, K, VX, dtype=dt, device=device) if store_h else core.empty0(device, dt)
+        vn = torch.empty(Tt, HV, VX, dtype=dt, device=device) if store_h else core.empty0(device, dt)
+        ht_shape = (n, HV, VX, K) if trans_state else (n, HV, K, VX)
+        ht = torch.empty(ht_shape, dtype=torch.float32, device=device) if want_ht else core.empty0(device)
+        cname, BV = _state_cfg(tab, "h", VX, n * HV)
+        launch(kn.fwd_h_kernel, (n * HV, VX // BV), k=kk, w=w, u=u_x, gc=gc, se=se_x,
+               h0=h0_x if h0_x is not None else gc, h=h, vn=vn, ht=ht if want_ht else gc, H=H, HV=HV, K=K, V=VX,
+               BT=BT, BV=BV, USE_H0=h0_x is not None, STORE_HT=want_ht, TRANS_STATE=trans_state, STORE_H=store_h,
+               INTERPRET=INTERPRET, **_cfg(tab, cname))
+        return h, vn, ht
+
+    gathered = None
+    if cp is not None:
+        h0, gathered = yield from cp_core.incoming_states(
+            cp, se, u, HV, K, V, lambda se_x, u_x, h0_x, VX: run_state(se_x, u_x, h0_x, se_x.shape[0], VX, True,
+                                                                      False)[2])
+    h, vn, ht = run_state(se, u, h0, N, V, output_final_state, True)
     o = torch.empty(B, T, HV, V, dtype=dt, device=device)
     launch(kn.fwd_o_kernel, (P, HV), q=qn, gc=gc, Aqk=Aqk, vn=vn, h=h, se=se, table=table, o=o, scale=float(scale),
            H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "o"))
     if not use_l2:
         qn, kk = core.empty0(device, dt), core.empty0(device, dt)
-    return o, ht, qn, kk, gc, A, Aqk, w, h, vn, se, table
+    res = (o, ht, qn, kk, gc, A, Aqk, w, h, vn, se, table)
+    return res if cp is None else (res, h0, gathered)
 
 
 def kda_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
@@ -249,12 +271,21 @@ def kda_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: tor
                             torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0; empty where the input was None). `do` / `dht` None: no
     gradient reached o / the final state."""
+    return cp_core.drive(backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_state, gc, A, Aqk,
+                                        w, h, vn, se, table, scale, lower_bound, gate, use_l2, trans_state,
+                                        output_final_state))
+
+
+def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_state, gc, A, Aqk, w, h, vn, se, table,
+                   scale, lower_bound, gate, use_l2, trans_state, output_final_state=True, cp=None,
+                   gathered_fwd=None):
+    """kda_backward as a stage generator: under a CP context (`cp`; `gathered_fwd` the forward's gathered buffer)
+    it exchanges state gradients with the other ranks before the reverse recurrence and returns no dh0."""
     tab = configs.CONFIGS[arch_of(q, "q")]
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device, dt = q.device, q.dtype
     Tt = B * T
-    N = se.shape[0]
     P = table.shape[0]
     q, k, v = _c(q, "q"), _c(k, "k"), _c(v, "v")
     if not use_l2:
@@ -271,19 +302,28 @@ def kda_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: tor
     if not output_final_state:
         dht = None
     grid = (P, HV)
-    dvl = _ws("dvl", (Tt, HV, V), dt, device)
+    dvl = _ws("dvl", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
     launch(kn.bwd_dvl_kernel, grid, Aqk=Aqk, do=do, se=se, table=table, dvl=dvl, H=H, HV=HV, V=V, BT=BT,
            INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
-    dhe = _ws("dhe", (P, HV, K, V), dt, device)
-    dd = _ws("dd", (Tt, HV, V), dt, device)
-    want_dh0 = initial_state is not None
-    dh0 = torch.empty(initial_state.shape, dtype=torch.float32, device=device) if want_dh0 else None
-    dhtf = _c(dht.to(torch.float32), "dht") if dht is not None else None
-    cname, BV = _state_cfg(tab, "dh", V, N * HV)
-    launch(kn.bwd_dh_kernel, (N * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se,
-           dht=dhtf if dhtf is not None else gc, dh0=dh0 if want_dh0 else gc, dhe=dhe, dd=dd, scale=float(scale),
-           H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhtf is not None, STORE_DH0=want_dh0, TRANS_STATE=trans_state,
-           INTERPRET=INTERPRET, **_cfg(tab, cname))
+
+    def run_dh(se_x, dht_x, dh0_shape):
+        n = se_x.shape[0]
+        dhe = _ws("dhe", (P, HV, K, V), dt, device)
+        dd = _ws("dd", (Tt, HV, V), dt, device)
+        dh0 = torch.empty(dh0_shape, dtype=torch.float32, device=device) if dh0_shape else None
+        cname, BV = _state_cfg(tab, "dh", V, n * HV)
+        launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
+               dht=dht_x if dht_x is not None else gc, dh0=dh0 if dh0 is not None else gc, dhe=dhe, dd=dd,
+               scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dht_x is not None,
+               STORE_DH0=dh0 is not None, TRANS_STATE=trans_state, INTERPRET=INTERPRET, **_cfg(tab, cname))
+        return dhe, dd, dh0
+
+    if cp is not None:
+        dht = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x: run_dh(
+            se_x, None, (se_x.shape[0], HV, K, V))[2])
+    want_dh0 = initial_state is not None and cp is None
+    dhe, dd, dh0 = run_dh(se, _c(dht.to(torch.float32), "dht") if dht is not None else None,
+                          initial_state.shape if want_dh0 else None)
     pdt = _pdt(tab, dt)
     dqv = _ws("dqv", (Tt, HV, K), pdt, device)
     kdt = _kdt(tab, dt)  # dk of dqkw, read back by the WY backward
@@ -368,25 +408,52 @@ KDA = KernelOp(OP, forward=kda_forward, forward_fake=_forward_fake, setup=_setup
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False,
               lower_bound=None, transpose_state_layout=False, cu_seqlens=None, cp_context=None):
+    if cp_context is not None:
+        cp_core.check_call(OP, cp_context, q, cu_seqlens, initial_state, output_final_state)
+        cu_seqlens = cp_context.cu_seqlens
     gate = _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                   use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound, transpose_state_layout, cu_seqlens,
                   cp_context)
-    if cu_seqlens is not None and config.option(OP, "check_seqlens"):
+    if cu_seqlens is not None and cp_context is None and config.option(OP, "check_seqlens"):
         checks.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[1], must_end_at_total=True)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     lb = float(lower_bound) if gate == kn.GATE_SIGMOID else 0.0
     if not gate:
         A_log = dt_bias = None
+    if cp_context is not None:
+        o = KDA_CP.apply(cp_context, q, k, v, g, beta, A_log, dt_bias, scale, lb, gate, use_qk_l2norm_in_kernel)
+        return o, None
     o, ht = KDA(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lb, gate, output_final_state,
                 use_qk_l2norm_in_kernel, transpose_state_layout)
     return o, (ht if output_final_state else None)
+
+
+def cp_forward_stage(cp, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, gate, use_l2):
+    """One rank's CP forward (a stage generator, `_runtime/cp.py`): (o, what cp_backward_stage needs)."""
+    res, h0, gathered = yield from forward_stage(q, k, v, g, beta, A_log, dt_bias, None, cp.cu_seqlens, scale,
+                                                 lower_bound, gate, False, use_l2, False, cp=cp)
+    return res[0], (q, k, v, g, beta, A_log, dt_bias, h0, res[2:], gathered, scale, lower_bound, gate, use_l2)
+
+
+def cp_backward_stage(cp, saved, do):
+    """One rank's CP backward (a stage generator): the gradients of q, k, v, g, beta, then this rank's partial sums
+    of the gradients of A_log and dt_bias (None without the in-kernel gate), then None for the rest."""
+    q, k, v, g, beta, A_log, dt_bias, h0, res, gathered, scale, lower_bound, gate, use_l2 = saved
+    qn, kk, gc, A, Aqk, w, h, vn, se, table = res
+    dq, dk, dv, dg, db, dA, ddt, _ = yield from backward_stage(
+        do, None, q, k, qn, kk, v, g, beta, A_log, dt_bias, h0, gc, A, Aqk, w, h, vn, se, table, scale, lower_bound,
+        gate, use_l2, False, False, cp=cp, gathered_fwd=gathered)
+    return dq, dk, dv, dg, db, (dA if gate else None), (ddt if gate else None), None, None, None, None
+
+
+KDA_CP = stage_function(cp_forward_stage, cp_backward_stage)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 def routes(head_k_dim: int = 128, head_v_dim: int = 128):
     """Every kernel specialization a call with these head dims can launch: the launchers above run on meta tensors
     over every flag (gate kind and raw-gate dtype, L2 norm, initial / final state and its layout, wide / narrow state
-    tiles, int32 / int64 / no cu_seqlens) and record their launches."""
+    tiles, int32 / int64 / no cu_seqlens, context parallelism) and record their launches."""
     K, V = head_k_dim, head_v_dim
     if K not in HEAD_DIMS or V not in HEAD_DIMS:
         raise ValueError(f"head dims must be in {HEAD_DIMS}, got head_k_dim={K}, head_v_dim={V}")
@@ -419,4 +486,14 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
                                                       use_l2, trans)
                                     kda_backward(v, h0 if final else None, q, q, *res[2:4], v, g, beta, al, db, init,
                                                  *res[4:], 1.0, -1.0, gate, use_l2, trans, final, "det")
+        for ctxs in cp_core.route_plans():  # context parallelism's extra passes and its chain kernel
+            T = ctxs[0].total_tokens
+            q = torch.empty(1, T, H, K, dtype=torch.bfloat16, **meta)
+            v = torch.empty(1, T, HV, V, dtype=torch.bfloat16, **meta)
+            beta = torch.empty(1, T, HV, **meta)
+            for gate, gdt in gates:
+                g = torch.empty(1, T, HV, K, dtype=gdt, **meta)
+                params = [torch.empty(HV, **meta), torch.empty(HV * K, **meta)] if gate else [None, None]
+                simulate(cp_forward_stage, cp_backward_stage, ctxs, [q, q, v, g, beta], params=params,
+                         args=(1.0, -1.0, gate, True), grad_out=v)
     return rs.routes
