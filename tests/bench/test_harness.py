@@ -67,6 +67,7 @@ def _check_plot_reads(path, tmp_path):
 ON_CPU = {
     "gqa": {"gqa": {"cake det", "cake fast"}},
     "gdn": {"gdn": {"cake det", "cake det, recompute-state"}},
+    "kda": {"kda": {"cake det"}},
     "conv1d": {"conv1d": {"cake det", "cake fast", "torch F.conv1d/doc"}},
     "norms": {"rmsnorm": {"cake det", "cake fast", "eager"}, "gated_rmsnorm": {"cake det", "cake fast", "eager"}},
 }
