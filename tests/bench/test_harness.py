@@ -68,6 +68,8 @@ ON_CPU = {
     "gqa": {"gqa": {"cake det", "cake fast"}},
     "gdn": {"gdn": {"cake det", "cake det, recompute-state"}},
     "kda": {"kda": {"cake det"}},
+    "cp": {"cp": {"plain (one call)", "cp W=2 contiguous", "cp W=4 contiguous", "cp W=8 contiguous",
+                  "cp W=4 zigzag"}},
     "conv1d": {"conv1d": {"cake det", "cake fast", "torch F.conv1d/doc"}},
     "norms": {"rmsnorm": {"cake det", "cake fast", "eager"}, "gated_rmsnorm": {"cake det", "cake fast", "eager"}},
 }

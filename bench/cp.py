@@ -1,0 +1,191 @@
+"""Benchmark of context parallelism's compute cost on one GPU: gdn and kda over W simulated ranks against the plain
+call on the same tokens, in one run.
+
+4 x 32768 tokens (four documents); gdn at Qwen3-Next's heads (H 16, HV 32, K = V = 128, L2 norm in the kernel),
+kda at Kimi-Linear's (H = HV = 32, K = V = 128, the safe gate with lower bound -5, in the kernel). The plain
+provider is the public call with cu_seqlens (no state in or out); a "cp W=n" provider runs the n ranks' CP stages
+one after another (`_runtime/cp.run_simulated`: the all_gather is a stack in one process), so its time is the sum
+of the ranks' compute: the plain call's work plus CP's extra state passes and chain kernels. The issue's bar: at
+most 15 % over the plain call's device time. The all_gather bytes per rank and layer call (sent; a rank receives
+W times as much) are printed beside it and written as `comm`. Modes fwd, bwd (the backward stages on the kept
+forward), full. Writes bench/results/cp.json (see _common.py for the row format).
+
+    python bench/cp.py [--quick] [--dry-run] [harness options: --help]
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS, Autograd, Bench, Calls, Provider, parser, print_table, run, write_results
+
+from miles_ext_kernels.cake import gdn, kda
+from miles_ext_kernels.cake._runtime import cp as rcp
+
+NAMES = ("q", "k", "v", "g", "beta")
+OPS = {"gdn": dict(H=16, HV=32, K=128, V=128), "kda": dict(H=32, HV=32, K=128, V=128)}
+SAFE_LB = -5.0
+BAR = 1.15  # the issue's bar: CP time / plain time
+PLANS = [("contiguous", 2), ("contiguous", 4), ("contiguous", 8), ("zigzag", 4)]
+PLAIN = "plain (one call)"
+
+
+def make(p, device="cuda"):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    T = sum(p["lens"])
+
+    def r(*s):
+        return torch.randn(*s, generator=gen)
+
+    H, HV, K, V = p["H"], p["HV"], p["K"], p["V"]
+    x = {"q": r(1, T, H, K).bfloat16(), "k": r(1, T, H, K).bfloat16(), "v": r(1, T, HV, V).bfloat16(),
+         "beta": torch.rand(1, T, HV, generator=gen).float(), "do": r(1, T, HV, V).bfloat16()}
+    if p["op"] == "gdn":
+        x["g"] = torch.nn.functional.logsigmoid(r(1, T, HV)).float()
+    else:
+        x["g"] = r(1, T, HV, K).float()
+        x["A_log"] = (0.5 * r(HV)).float()
+        x["dt_bias"] = (0.5 * r(HV * K)).float()
+    x = {n: t.to(device) for n, t in x.items()}
+    x["cu_list"] = [0] + torch.tensor(p["lens"]).cumsum(0).tolist()
+    x["cu"] = torch.tensor(x["cu_list"], dtype=torch.int32, device=device)
+    return x
+
+
+def _ops(op):
+    import importlib
+
+    return importlib.import_module(f"miles_ext_kernels.cake._impl.{op}.ops")
+
+
+def plain(x, p):
+    if p["op"] == "gdn":
+        return Autograd(lambda q, k, v, g, beta: gdn.chunk_gated_delta_rule(
+            q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"])[0], [x[n] for n in NAMES],
+            wrt=range(5), grad_outputs=x["do"])
+    return Autograd(lambda q, k, v, g, beta, A_log, dt_bias: kda.chunk_kda(
+        q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+        safe_gate=True, lower_bound=SAFE_LB, cu_seqlens=x["cu"])[0],
+        [x[n] for n in NAMES + ("A_log", "dt_bias")], wrt=range(7), grad_outputs=x["do"])
+
+
+def _stage_args(x, p):
+    ops = _ops(p["op"])
+    scale = p["K"] ** -0.5
+    if p["op"] == "gdn":
+        return ops, [], (scale, True, True)
+    gate = ops.gate_kind(True, SAFE_LB)
+    return ops, [x["A_log"], x["dt_bias"]], (scale, SAFE_LB, gate, True)
+
+
+def comm_bytes(ctx, p) -> dict:
+    """all_gather bytes one rank sends per layer call (forward states, backward state gradients)."""
+    HV, K, V = p["HV"], p["K"], p["V"]
+    return {"fwd_bytes": ctx.max_export * HV * K * (V + K) * 4, "bwd_bytes": ctx.max_import * HV * K * V * 4}
+
+
+def simulated(layout, W):
+    def make_calls(x, p):
+        T = sum(p["lens"])
+        if (layout == "contiguous" and T % W) or (layout == "zigzag" and any(n % (2 * W) for n in p["lens"])):
+            from _common import Skip
+
+            raise Skip(f"{layout} needs T / lengths divisible by the CP size")
+        ctxs = rcp.simulated_contexts(x["cu_list"], W, layout=layout, device=x["q"].device)
+        ops, params, args = _stage_args(x, p)
+        shards = [[rcp.shard(x[n], c).contiguous() for n in NAMES] for c in ctxs]
+        dos = [rcp.shard(x["do"], c).contiguous() for c in ctxs]
+        kept = {}
+
+        def fwd():
+            kept["f"] = rcp.run_simulated([ops.cp_forward_stage(c, *s, *params, *args) for c, s in zip(ctxs, shards)])
+            return kept["f"]
+
+        def bwd():
+            if "f" not in kept:
+                fwd()
+            return rcp.run_simulated([ops.cp_backward_stage(c, f[1], d) for c, f, d in zip(ctxs, kept["f"], dos)])
+
+        def full():
+            fwd()
+            return bwd()
+
+        def result():
+            fwd()
+            g = bwd()
+            o = rcp.unshard([f[0] for f in kept["f"]], ctxs)
+            return [o] + [rcp.unshard([b[i] for b in g], ctxs) for i in range(len(NAMES))]
+
+        return Calls(fwd=fwd, bwd=bwd, full=full, result=result)
+
+    return make_calls
+
+
+def shapes(quick: bool) -> dict:
+    out = {}
+    for op, dims in OPS.items():
+        out[f"{op} 4x32768"] = dict(dims, op=op, lens=[32768] * 4)
+        if not quick:
+            out[f"{op} 16x8192"] = dict(dims, op=op, lens=[8192] * 16)
+    return out
+
+
+DRY = {"gdn 2 docs": dict(op="gdn", H=1, HV=2, K=16, V=16, lens=[32, 32]),
+       "kda 2 docs": dict(op="kda", H=1, HV=2, K=16, V=16, lens=[32, 32])}
+
+
+def declare(quick: bool = False) -> Bench:
+    providers = [Provider(PLAIN, plain, det=True, ours=True)]
+    providers += [Provider(f"cp W={W} {layout}", simulated(layout, W), ours=True, accuracy=False)
+                  for layout, W in PLANS]
+    return Bench(name="cp", shapes=shapes(quick), dry_shapes=DRY, inputs=make, providers=providers,
+                 modes=("fwd", "bwd", "full"), warmup=2, rep=10, lead_ms=5.0)
+
+
+def overheads(rows: list, params: dict) -> list:
+    """CP time / plain time per shape, plan and mode (device timer when present), with the comm bytes."""
+    out = []
+    timer = "device_ms" if any("device_ms" in r for r in rows) else "synced_ms"
+    base = {(r["shape"], r["mode"]): r[timer] for r in rows if r["provider"] == PLAIN and timer in r}
+    for r in rows:
+        if r["provider"] == PLAIN or (r["shape"], r["mode"]) not in base or timer not in r:
+            continue
+        layout, W = r["provider"].split()[2], int(r["provider"].split()[1][2:])
+        p = params[r["shape"]]
+        ctx = rcp.simulated_contexts([0] + torch.tensor(p["lens"]).cumsum(0).tolist(), W, layout=layout)[0]
+        out.append({"shape": r["shape"], "provider": r["provider"], "mode": r["mode"],
+                    "ratio": round(r[timer] / base[(r["shape"], r["mode"])], 3),
+                    "bar_ok": r[timer] / base[(r["shape"], r["mode"])] <= BAR, **comm_bytes(ctx, p)})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = parser(__doc__)
+    ap.add_argument("--quick", action="store_true", help="4 x 32768 only")
+    args = ap.parse_args(argv)
+    bench = declare(args.quick)
+    rc = run(bench, args)
+    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "mek-bench-dry-run" if args.dry_run
+                                           else RESULTS)
+    path = out / f"{args.name or 'cp'}.json"
+    doc = json.loads(path.read_text())
+    params = bench.dry_shapes if args.dry_run else bench.shapes
+    ov = overheads(doc["rows"], params)
+    if ov:
+        print()
+        print(f"CP time / plain time (bar <= {BAR}); all_gather bytes one rank sends per layer call")
+        print_table(ov, list(ov[0]))
+        rows = doc.pop("rows")
+        write_results(path.stem, rows, dict(doc, overhead=ov), out_dir=path.parent)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
