@@ -191,17 +191,19 @@ def test_check_seqlens_option_checks_on_the_host(monkeypatch):
 
 
 def test_routes_are_the_launchers_launches():
-    """routes() runs the launchers on meta tensors over every flag: 53 distinct specializations at 128 / 128 (the
+    """routes() runs the launchers on meta tensors over every flag: 57 distinct specializations at 128 / 128 (the
     table kernel for int32 and int64 cu_seqlens; prep and WY backward per gate kind and raw-gate dtype; the state
-    kernels with and without initial / final state, in both layouts, wide and narrow), each recorded from a real
-    launch site, so none can drift from what a call launches."""
+    kernels with and without initial / final state, in both layouts, wide and narrow; context parallelism's
+    final-state-only pass over V + K columns, wide and narrow, and its chain step, both directions), each recorded
+    from a real launch site, so none can drift from what a call launches."""
     rs = ops.routes(128, 128)
     labels = [r.label for r in rs]
-    assert len(labels) == len(set(labels)) == 53
+    assert len(labels) == len(set(labels)) == 57
     count = lambda prefix: sum(lab.startswith(prefix) for lab in labels)  # noqa: E731
     assert count("chunk_table_kernel[") == 2
     assert count("fwd_prep_kernel[") == count("bwd_wy_kernel[") == 5  # none; softplus, sigmoid x fp32, bf16 raw g
-    assert count("fwd_h_kernel[") == count("bwd_dh_kernel[") == 16
+    assert count("fwd_h_kernel[") == 18 and count("bwd_dh_kernel[") == 16
+    assert count("chain_step_kernel[") == 2
     assert count("gate_sum_kernel[") == 1 and count("bwd_dqkw_kernel[") == 2
     assert any("TRANS_STATE=True" in lab for lab in labels) and any("GATE=2" in lab for lab in labels)
     with pytest.raises(ValueError, match="head dims"):

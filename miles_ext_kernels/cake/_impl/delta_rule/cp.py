@@ -1,16 +1,18 @@
 """Context parallelism of the chunked delta rule (gdn, kda): the state exchange both ops run inside their forward
 and backward (see `_runtime/cp.py` for the plan and the stage protocol).
 
-Forward, per rank: the pieces that export run the op's state recurrence once more from [0 | I] with [u | 0] (V + K
-value columns: the delta rule's state is column-independent in V, so the first V columns end in E, the state from
-a zero start, and the last K in M, the piece's K x K transition) -> one all_gather of [max_export, HV, K, V + K]
-fp32 -> each importing piece folds its document's earlier pieces, S <- M S + E in fp32 and a fixed order (one
-launch) -> the op's own recurrence and output with S as the piece's initial state.
+Forward, per rank: the pieces that export run the op's state recurrence once more, from [0 | I] with [u | 0] (V + K
+value columns; the kernel reads the zeros, nothing is stored but the final states). The delta rule's state is
+column-independent in V, so the first V columns end in E, the state from a zero start, and the last K in M, the
+piece's K x K transition -> one all_gather of [max_export, HV, K, V + K] fp32 -> each importing piece folds its
+document's earlier pieces, S <- M S + E, in fp32 and a fixed order (one launch per step) -> the op's own
+recurrence and output with S as the piece's initial state.
 Backward, per rank: after the in-chunk d(dlt), the pieces that import run the reverse recurrence from a zero end
 gradient: D, the gradient their start state gets -> one all_gather of [max_import, HV, K, V] fp32 -> each exporting
 piece folds its document's later pieces from the last back, G <- M^T G + D -> the op's reverse recurrence with G
-as the piece's final-state gradient. A rank moves 4 HV K (V + K) bytes per exporting piece forward and
-4 HV K V per importing piece backward (times W received), whatever T.
+as the piece's final-state gradient. A rank sends 4 HV K (V + K) bytes per exporting piece forward and
+4 HV K V per importing piece backward (padded to the plan's maximum over ranks; it receives W times that),
+whatever T.
 """
 from __future__ import annotations
 
@@ -20,64 +22,75 @@ import triton.language as tl
 
 from miles_ext_kernels.cake._runtime.launch import launch
 
-CHAIN_BV = 32
+CHAIN_BLOCK = 32  # output rows and columns per program of a chain step
 
 
-@triton.jit(do_not_specialize=["L", "HV", "ldE", "ldM"])
-def chain_kernel(E, M, table, dest, out, L, HV, ldE, ldM, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                 TRANS: tl.constexpr):
-    """out[dest[i], hv] = the fold over table[i] of S <- op(M[m]) S + E[e] from S = 0 (op = transpose under TRANS;
-    m = -1: no transition; e = -1: padding), in fp32 and the table's order. E [F, HV, K, ldE] and M [F, HV, K, ldM]
-    (the first V / K columns read)."""
+@triton.jit(do_not_specialize=["step", "L", "HV", "ldE", "ldM"])
+def chain_step_kernel(E, M, table, S_in, S_out, step, L, HV, ldE, ldM, K: tl.constexpr, V: tl.constexpr,
+                      BR: tl.constexpr, BC: tl.constexpr, TRANS: tl.constexpr):
+    """One step of the chains of `table` ([n, L, 2] (E slot, M slot)): S_out[i] = op(M[m]) S_in[i] + E[e] (m = -1: no
+    transition; e = -1, padding: S_out[i] = S_in[i]); op = transpose under TRANS. A BR x BC block of S [n, HV, K, V]
+    per program, fp32 products over K in a fixed order. E [F, HV, K, ldE], M [F, HV, K, ldM] (first V / K columns
+    read)."""
     i = tl.program_id(0)
     hv = tl.program_id(1)
-    iv = tl.program_id(2)
+    nc = V // BC
+    ir = tl.program_id(2) // nc
+    ic = tl.program_id(2) % nc
+    o_r = ir * BR + tl.arange(0, BR)
+    o_c = ic * BC + tl.arange(0, BC)
     o_k = tl.arange(0, K)
-    o_v = iv * BV + tl.arange(0, BV)
-    S = tl.zeros([K, BV], dtype=tl.float32)
-    for step in range(0, L):
-        e = tl.load(table + (i * L + step) * 2)
-        m = tl.load(table + (i * L + step) * 2 + 1)
-        if e >= 0:
-            if m >= 0:
-                base = M + (m * HV + hv) * K * ldM
-                if TRANS:
-                    b_m = tl.load(base + o_k[None, :] * ldM + o_k[:, None])
-                else:
-                    b_m = tl.load(base + o_k[:, None] * ldM + o_k[None, :])
-                S = tl.dot(b_m, S, input_precision="ieee")
-            S += tl.load(E + (e * HV + hv) * K * ldE + o_k[:, None] * ldE + o_v[None, :])
-    d = tl.load(dest + i)
-    tl.store(out + (d * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :], S)
+    e = tl.load(table + (i * L + step) * 2)
+    m = tl.load(table + (i * L + step) * 2 + 1)
+    st = (i * HV + hv).to(tl.int64) * (K * V)
+    out = tl.load(S_in + st + o_r[:, None] * V + o_c[None, :])
+    if e >= 0:
+        if m >= 0:
+            base = M + (m * HV + hv) * K * ldM
+            if TRANS:
+                b_m = tl.load(base + o_k[None, :] * ldM + o_r[:, None])
+            else:
+                b_m = tl.load(base + o_r[:, None] * ldM + o_k[None, :])
+            b_s = tl.load(S_in + st + o_k[:, None] * V + o_c[None, :])
+            out = tl.dot(b_m, b_s, input_precision="ieee")
+        out += tl.load(E + (e * HV + hv) * K * ldE + o_r[:, None] * ldE + o_c[None, :])
+    tl.store(S_out + st + o_r[:, None] * V + o_c[None, :], out)
 
 
 def chain(E: torch.Tensor, M: torch.Tensor, table: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, V: int,
           trans: bool) -> None:
-    """Fold `table` ([n, L, 2] (E slot, M slot)) into out[dest] ([N, HV, K, V] fp32); E / M: gathered buffers
-    viewed [F, HV, K, ld] (M already offset to its first column)."""
+    """Fold `table` ([n, L, 2] (E slot, M slot)) into out[dest] ([N, HV, K, V] fp32) from S = 0: one launch per
+    step (a step's blocks need the whole previous S), L <= 2W - 1. E / M: gathered buffers viewed [F, HV, K, ld]
+    (M already offset to its first column)."""
     n, L = table.shape[0], table.shape[1]
     HV, K = out.shape[1], out.shape[2]
     if n == 0:
         return
-    bv = min(CHAIN_BV, V)
-    launch(chain_kernel, (n, HV, V // bv), E=E, M=M, table=table, dest=dest, out=out, L=L, HV=HV, ldE=E.stride(2),
-           ldM=M.stride(2), K=K, V=V, BV=bv, TRANS=trans, num_warps=4)
+    br, bc = min(CHAIN_BLOCK, K), min(CHAIN_BLOCK, V)
+    cur = torch.zeros(n, HV, K, V, dtype=torch.float32, device=out.device)
+    nxt = torch.empty_like(cur)
+    for step in range(L):
+        launch(chain_step_kernel, (n, HV, (K // br) * (V // bc)), E=E, M=M, table=table, S_in=cur, S_out=nxt,
+               step=step, L=L, HV=HV, ldE=E.stride(2), ldM=M.stride(2), K=K, V=V, BR=br, BC=bc, TRANS=trans,
+               num_warps=4)
+        cur, nxt = nxt, cur
+    out.index_copy_(0, dest, cur)
 
 
 def incoming_states(cp, se: torch.Tensor, u: torch.Tensor, HV: int, K: int, V: int, run_state):
     """Stage generator (forward): yields this rank's [max_export, HV, K, V + K] buffer, receives the gathered one;
     returns (h0 [N, HV, K, V] fp32 or None when no piece imports, gathered). run_state(se_rows, u_ext, h0_ext, V_ext)
-    runs the op's state recurrence over the given sequences and returns their final states [n, HV, K, V_ext] fp32."""
+    runs the op's state recurrence over the given sequences (u's V columns, then zeros) and returns their final states
+    [n, HV, K, V_ext] fp32."""
     device = u.device
     VX = V + K
     buf = torch.zeros(cp.max_export, HV, K, VX, dtype=torch.float32, device=device)
     n_exp = cp.n_export
     if n_exp:
         se_x = se.index_select(0, cp.export_segs)
-        u_x = torch.cat([u, u.new_zeros(u.shape[:-1] + (K,))], dim=-1)
         h0_x = torch.zeros(n_exp, HV, K, VX, dtype=torch.float32, device=device)
         h0_x[..., V:] = torch.eye(K, dtype=torch.float32, device=device)
-        buf[:n_exp] = run_state(se_x, u_x, h0_x, VX)
+        buf[:n_exp] = run_state(se_x, u, h0_x, VX)  # u's V columns, then K columns of 0
     gathered = yield buf
     gathered = gathered.view(-1, HV, K, VX)
     h0 = None

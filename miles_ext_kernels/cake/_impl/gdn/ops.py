@@ -172,7 +172,7 @@ def _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, want_ht, device, dt
     cname, BV = _state_cfg(tab, "h", V, N * HV)
     launch(kn.fwd_h_kernel, (N * HV, V // BV), k=kk, w=w, u=u, gc=gc, se=se, h0=h0 if h0 is not None else gc, h=h,
            vn=vn, ht=ht if want_ht else gc, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None,
-           STORE_HT=want_ht, STORE_H=store_h, INTERPRET=INTERPRET, **_cfg(tab, cname))
+           STORE_HT=want_ht, STORE_H=store_h, VU=u.shape[-1], INTERPRET=INTERPRET, **_cfg(tab, cname))
     return h, vn, ht
 
 

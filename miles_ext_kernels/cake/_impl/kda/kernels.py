@@ -309,9 +309,9 @@ def _state_offsets(n, hv, HV, o_k, o_v, K: tl.constexpr, V: tl.constexpr, TRANS_
 @triton.jit(do_not_specialize=["H", "HV"])
 def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, TRANS_STATE: tl.constexpr,
-                 STORE_H: tl.constexpr, INTERPRET: tl.constexpr):
+                 STORE_H: tl.constexpr, VU: tl.constexpr, INTERPRET: tl.constexpr):
     """The inter-chunk state recurrence of one sequence and value head (a BV-wide slice of V). STORE_H off: only
-    the final state (context parallelism's extra pass)."""
+    the final state (context parallelism's extra pass). u holds the first VU of the V columns (the rest read 0)."""
     iv = tl.program_id(1)
     pid = tl.program_id(0)  # (sequence, value head) on the unbounded grid axis
     n = pid // HV
@@ -338,7 +338,11 @@ def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.c
         if STORE_H:
             tl.store(h + (slot * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :], _rnd(b_h, DT, INTERPRET))
         b_w = tl.load(w + rows[:, None] * (HV * K) + hv * K + o_k[None, :], mask=m[:, None], other=0.)
-        b_u = tl.load(u + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
+        if VU == V:
+            b_u = tl.load(u + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
+        else:
+            b_u = tl.load(u + rows[:, None] * (HV * VU) + hv * VU + o_v[None, :], mask=m[:, None] & (o_v < VU)[None, :],
+                          other=0.)
         b_vn = b_u.to(tl.float32) - _dot(b_w, _rnd(b_h, DT, INTERPRET), INTERPRET)
         b_vn = _rnd(b_vn, DT, INTERPRET)
         if STORE_H:

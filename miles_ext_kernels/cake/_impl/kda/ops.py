@@ -242,6 +242,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
         launch(kn.fwd_h_kernel, (n * HV, VX // BV), k=kk, w=w, u=u_x, gc=gc, se=se_x,
                h0=h0_x if h0_x is not None else gc, h=h, vn=vn, ht=ht if want_ht else gc, H=H, HV=HV, K=K, V=VX,
                BT=BT, BV=BV, USE_H0=h0_x is not None, STORE_HT=want_ht, TRANS_STATE=trans_state, STORE_H=store_h,
+               VU=u_x.shape[-1],
                INTERPRET=INTERPRET, **_cfg(tab, cname))
         return h, vn, ht
 
