@@ -121,9 +121,9 @@ def test_backward_runs_the_forward_variant_and_option(monkeypatch):
     seen = []
     real = ops.CONV1D.backward
 
-    def spy(dy, x, w, cu, act_mode, variant):
+    def spy(dy, x, w, cu, h, act_mode, variant):
         seen.append((act_mode, variant))
-        return real(dy, x, w, cu, act_mode, variant)
+        return real(dy, x, w, cu, h, act_mode, variant)
 
     monkeypatch.setattr(ops.CONV1D, "backward", spy)
     x, w, dy = make(12, 8, 4, seed=4)
@@ -218,8 +218,9 @@ def test_torch_compile_fullgraph_traces():
 
 def test_routes_declared(monkeypatch):
     """routes() runs the launchers on meta tensors over every flag and records their launches: per weight dtype
-    3 W x 3 cu_seqlens (none, int32, int64) x 2 alignments x (2 forward activations + 3 backward SiLU-grad modes)
-    + 3 dw reductions (one per W), for the interpreter's table here and for the shipped sm_90a table."""
+    3 W x 3 cu_seqlens (none, int32, int64) x 2 alignments x 2 (without / with an initial state) x (2 forward
+    activations + 3 backward SiLU-grad modes) + 3 dw reductions (one per W), for the interpreter's table here and for
+    the shipped sm_90a table."""
     from miles_ext_kernels.cake._runtime import build
 
     for arch in ("interpreter", "sm_90a"):
@@ -229,10 +230,14 @@ def test_routes_declared(monkeypatch):
         for wd in ("float32", "bfloat16"):
             rs = routes(weight_dtype=wd)
             labels = [r.label for r in rs]
-            assert len(labels) == len(set(labels)) == 3 * 3 * 2 * (2 + 3) + 3
+            assert len(labels) == len(set(labels)) == 3 * 3 * 2 * 2 * (2 + 3) + 3
             kinds = [lab.split("[")[0] for lab in labels]
             assert (kinds.count("conv1d_fwd_kernel"), kinds.count("conv1d_bwd_kernel"),
-                    kinds.count("dw_reduce_kernel")) == (36, 54, 3)
+                    kinds.count("dw_reduce_kernel")) == (72, 108, 3)
+            halo = [r for r in rs if r.args.get("HALO")]
+            assert len(halo) == 90 and all(r.args["h_ptr"] == torch.bfloat16 for r in halo)
+            assert all(r.args["dh_ptr"] == torch.bfloat16 for r in halo if "dh_ptr" in r.args)
+            assert all(r.args["h_ptr"] is None for r in rs if "h_ptr" in r.args and not r.args["HALO"])
             table = {"conv1d_fwd_kernel": "fwd", "conv1d_bwd_kernel": "bwd", "dw_reduce_kernel": "red"}
             for r, kind in zip(rs, kinds):
                 cfg = configs.CONFIGS[arch][table[kind]]
