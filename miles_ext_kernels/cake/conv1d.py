@@ -5,7 +5,8 @@ variable-length documents, forward and backward. Selected by `--linear-attention
 
     y[t, d] = act( sum_{i < W} weight[d, i] * x[t - W + 1 + i, d] )
 
-where rows before the start of the token's document count as zero.
+where rows before the start of the token's document count as zero, or, given an initial state, are that document's
+W-1 rows of it (context parallelism: the previous rank's last rows of a document that continues here).
 
 Variants: `det` (y, dx and dw repeat bit for bit: dw is reduced over token blocks in a fixed order) and `fast`,
 which runs the same kernels (an fp32-atomic dw reduction was measured slower than the fixed-order one on the H200),
@@ -70,8 +71,9 @@ def check_supported(*, kernel_size: int = 4, activation: str | None = "silu", ha
         raise ValueError(f"x_dtype must be 'bfloat16', got {x_dtype!r}")
 
 
-def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
-    """Causal depthwise conv over packed documents, then SiLU (or nothing); differentiable in x and weight.
+def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu", initial_state=None):
+    """Causal depthwise conv over packed documents, then SiLU (or nothing); differentiable in x, weight and
+    initial_state.
 
     x:          [T, D] bfloat16, packed tokens; may be a column slice of a wider tensor (unit last stride; read in
                 place when it starts 16-byte aligned, copied otherwise).
@@ -82,9 +84,15 @@ def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu"):
                 Never read on the host (not validated: boundaries that break this give garbage outputs, never a read
                 or write outside the tensors).
     activation: "silu" (alias "swish") or None.
+    initial_state: None (rows before a document's start are zeros) or [N, D, W] in x's dtype on x's device, fla's
+                layout: N the documents of cu_seqlens (1 without it), and initial_state[n, d, W - k] is x[s - k, d]
+                for k = 1..W-1, s document n's start (initial_state[n, :, W - 1] the row just before it); entry 0 of
+                the last dim is not read (its gradient is 0). Rows past cu_seqlens[-1] (padding) have none. Any
+                layout (copied unless contiguous). Its gradient has its shape and dtype; that of an empty document is
+                0.
     Returns y [T, D] bfloat16 (contiguous). The variant (det/fast) and the silu-grad option are read when the call
     runs; the backward runs what its forward read.
     """
     from ._impl import conv1d as impl  # a static import: torch.compile traces it (importlib it cannot)
 
-    return impl.causal_conv1d(x, weight, cu_seqlens=cu_seqlens, activation=activation)
+    return impl.causal_conv1d(x, weight, cu_seqlens=cu_seqlens, activation=activation, initial_state=initial_state)

@@ -66,6 +66,24 @@ def run_conv1d(cu, dtype, device):
     return {"y": y, "dx": dx, "dw": dw}
 
 
+def run_conv1d_halo(cu, dtype, device):
+    """conv1d with an initial state that sits between NaN guard documents and holds NaN in entry 0 of every
+    document (never read): every output row, and the state's gradient, finite."""
+    from miles_ext_kernels.cake import conv1d
+
+    gen = torch.Generator().manual_seed(4)
+    x = _guarded((T, 64), torch.bfloat16, device, gen).requires_grad_()
+    w = torch.randn(64, 4, generator=gen).to(device).requires_grad_()
+    N = len(cu) - 1
+    buf = torch.full((N + 2 * GUARD, 64, 4), float("nan"))
+    buf[GUARD:GUARD + N, :, 1:] = torch.randn(N, 64, 3, generator=gen)
+    h = buf.to(device, torch.bfloat16)[GUARD:GUARD + N].requires_grad_()
+    c = torch.tensor(cu, dtype=dtype, device=device)
+    y = conv1d.causal_conv1d(x, w, cu_seqlens=c, initial_state=h)
+    dx, dw, dh = torch.autograd.grad(y, (x, w, h), torch.randn(y.shape, generator=gen).to(device, y.dtype))
+    return {"y": y, "dx": dx, "dw": dw, "dh": dh}
+
+
 def run_gdn(cu, dtype, device):
     """Forward and backward of gdn's launchers (the public entry point refuses a malformed cu_seqlens on CPU); the
     rows of every clamped document are finite (rows outside all documents are undefined by the contract)."""
@@ -120,7 +138,7 @@ def run_kda(cu, dtype, device):
             "dbeta": db[0][rows], "dA_log": dA, "ddt_bias": ddt}
 
 
-RUNNERS = {"gqa": run_gqa, "conv1d": run_conv1d, "gdn": run_gdn, "kda": run_kda}
+RUNNERS = {"gqa": run_gqa, "conv1d": run_conv1d, "conv1d_halo": run_conv1d_halo, "gdn": run_gdn, "kda": run_kda}
 
 
 def non_finite(outs: dict) -> list:

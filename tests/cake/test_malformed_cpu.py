@@ -1,6 +1,6 @@
-"""Malformed cu_seqlens through gqa, conv1d, gdn and kda on CPU (interpreter): no crash, and every output row the op
-writes is finite although each operand sits between NaN guard rows (see tests/cake/_malformed.py; on a GPU the same
-cases run under compute-sanitizer)."""
+"""Malformed cu_seqlens through gqa, conv1d (with and without an initial state), gdn and kda on CPU (interpreter):
+no crash, and every output row the op writes is finite although each operand sits between NaN guard rows (see
+tests/cake/_malformed.py; on a GPU the same cases run under compute-sanitizer)."""
 import pytest
 import torch
 

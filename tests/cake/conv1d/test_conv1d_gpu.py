@@ -1,5 +1,6 @@
 """conv1d on the GPU: accuracy at real sizes against the FP64 reference, det bit-repeatability (repeats, side
-stream, workspace pool on/off, a fresh process), fast vs det, no host sync, torch.compile, strided inputs."""
+stream, workspace pool on/off, a fresh process), fast vs det, no host sync, torch.compile, strided inputs; the same
+with an initial state (fla's [N, D, W] layout), and the context-parallel identity it exists for."""
 import os
 import subprocess
 import sys
@@ -45,6 +46,18 @@ def run(x, w, dy, cu, activation="silu"):
     y = conv1d.causal_conv1d(x, w, cu_seqlens=cu, activation=activation)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
     return y.detach(), dx, dw
+
+
+def make_halo(N, D, W, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(1000 + seed)
+    return torch.randn(N, D, W, device="cuda", generator=g).to(torch.bfloat16)
+
+
+def run_halo(x, w, dy, cu, h, activation="silu"):
+    x, w, h = (t.detach().requires_grad_(True) for t in (x, w, h))
+    y = conv1d.causal_conv1d(x, w, cu_seqlens=cu, activation=activation, initial_state=h)
+    dx, dw, dh = torch.autograd.grad(y, (x, w, h), dy)
+    return y.detach(), dx, dw, dh
 
 
 @pytest.mark.parametrize("W", [2, 3, 4])
@@ -107,24 +120,29 @@ def test_det_bitwise_repeats_stream_pool():
             assert torch.equal(p, q)
 
 
-def test_det_bitwise_fresh_process(tmp_path):
+@pytest.mark.parametrize("halo", [False, True])
+def test_det_bitwise_fresh_process(tmp_path, halo):
     x, w, dy = make(4096, 2048, 4, seed=14)
     cu = torch.tensor([0, 7, 4000, 4096], dtype=torch.int32, device="cuda")
-    torch.save({"x": x.cpu(), "w": w.cpu(), "dy": dy.cpu(), "cu": cu.cpu()}, tmp_path / "in.pt")
-    ref = run(x, w, dy, cu)
+    h = make_halo(3, 2048, 4, seed=14) if halo else None
+    torch.save({"x": x.cpu(), "w": w.cpu(), "dy": dy.cpu(), "cu": cu.cpu(), "h": None if h is None else h.cpu()},
+               tmp_path / "in.pt")
+    ref = run(x, w, dy, cu) if h is None else run_halo(x, w, dy, cu, h)
     script = textwrap.dedent(f"""
         import torch
         from miles_ext_kernels.cake import conv1d
         d = torch.load({str(tmp_path / 'in.pt')!r})
         x = d["x"].cuda().requires_grad_(True); w = d["w"].cuda().requires_grad_(True)
-        y = conv1d.causal_conv1d(x, w, cu_seqlens=d["cu"].cuda())
-        dx, dw = torch.autograd.grad(y, (x, w), d["dy"].cuda())
-        torch.save((y.detach().cpu(), dx.cpu(), dw.cpu()), {str(tmp_path / 'out.pt')!r})
+        h = None if d["h"] is None else d["h"].cuda().requires_grad_(True)
+        y = conv1d.causal_conv1d(x, w, cu_seqlens=d["cu"].cuda(), initial_state=h)
+        grads = torch.autograd.grad(y, (x, w) if h is None else (x, w, h), d["dy"].cuda())
+        torch.save((y.detach().cpu(), *(g.cpu() for g in grads)), {str(tmp_path / 'out.pt')!r})
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt")
+    assert len(got) == len(ref)
     for p, q in zip(got, ref):
         assert torch.equal(p, q.cpu())
 
@@ -193,5 +211,155 @@ def test_error_vs_fla(wdt):
     ref = causal_conv1d_ref_shift(x, w, dy, cu, "silu", round_preactivation=False)
     from miles_ext_kernels.cake._runtime.testing import rel_rms
     for name, a, b, r in zip(("y", "dx", "dw"), ours, peer, ref):
+        budget = min(1.1 * rel_rms(b, r), 2.0 * rel_rms(a, r))
+        check_budget(name, a, r, budget)
+
+
+# ---------------------------------------------------------------------------------------------------- initial_state
+# Documents of 0..4 tokens and starts at, just before and just after the token chunks' ends (forward 64, backward
+# 256 rows), then 11 padding rows past cu_seqlens[-1] (no initial state). dh is one bf16 rounding of an fp32 sum,
+# like dx: dx's budget.
+HALO_DOCS = [0, 0, 1, 3, 6, 10, 63, 64, 65, 255, 256, 258, 4095, 4096, 4097, 4099, 7000, 8990]
+HALO_T = 9001
+
+
+def _halo_case(W, wdt=torch.float32, seed=0, D=1032):
+    x, w, dy = make(HALO_T, D, W, wdt, seed=seed)
+    cu = torch.tensor(HALO_DOCS, dtype=torch.int32, device="cuda")
+    full = torch.tensor(HALO_DOCS + [HALO_T], device="cuda")  # the padding as one more document, for the reference
+    return x, w, dy, cu, full, make_halo(len(HALO_DOCS) - 1, D, W, seed=seed)
+
+
+@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("option", ["bf16", "fp32"])
+def test_initial_state_accuracy_irregular_docs(W, wdt, option):
+    mek.configure(conv1d_silu_grad_preactivation=option)
+    x, w, dy, cu, full, h = _halo_case(W, wdt, seed=30 + W)
+    got = run_halo(x, w, dy, cu, h)
+    ref = causal_conv1d_ref_shift(x, w, dy, full, "silu", round_preactivation=option == "bf16", initial_state=h)
+    budgets = dict(BUDGET, dw=BUDGET["dw32" if wdt == torch.float32 else "dw16"], dh=BUDGET["dx"])
+    for name, a, r in zip(("y", "dx", "dw", "dh"), got, ref):
+        check_budget(name, a, r, budgets[name])
+    dh = got[3]
+    assert dh.dtype == torch.bfloat16 and not dh[:, :, 0].any()
+    assert not dh[0].any()  # the empty document
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_initial_state_one_document(activation):
+    """cu_seqlens=None (N = 1). D = 8192, so that a document of one token still gives a stable relative RMS; SiLU'
+    at the exact pre-activation (the bf16-rounded one may round differently in fp32 and FP64, visible in the fp32
+    dw of so few rows)."""
+    mek.configure(conv1d_silu_grad_preactivation="fp32")
+    for T in (1, 2, 3, 4096):  # shorter than W-1 = 3, equal, and long
+        x, w, dy = make(T, 8192, 4, seed=40 + T)
+        h = make_halo(1, 8192, 4, seed=T)
+        got = run_halo(x, w, dy, None, h, activation)
+        ref = causal_conv1d_ref_shift(x, w, dy, None, activation, round_preactivation=False, initial_state=h)
+        for name, a, r in zip(("y", "dx", "dw", "dh"), got, ref):
+            check_budget(name, a, r, dict(BUDGET, dw=BUDGET["dw32"], dh=BUDGET["dx"])[name])
+
+
+def test_initial_state_det_bitwise_repeats_stream_pool():
+    x, w, dy, cu, _, h = _halo_case(4, torch.bfloat16, seed=41, D=3072)
+    ref = run_halo(x, w, dy, cu, h)
+    for _ in range(3):
+        for p, q in zip(run_halo(x, w, dy, cu, h), ref):
+            assert torch.equal(p, q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = run_halo(x, w, dy, cu, h)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for p, q in zip(got, ref):
+        assert torch.equal(p, q)
+    mek.configure(workspace_pool_bytes=1 << 30)
+    for _ in range(2):
+        for p, q in zip(run_halo(x, w, dy, cu, h), ref):
+            assert torch.equal(p, q)
+    mek.configure(conv1d_variant="fast")
+    for p, q in zip(run_halo(x, w, dy, cu, h), ref):  # fast runs the det kernels
+        assert torch.equal(p, q)
+
+
+def test_zero_initial_state_gives_the_bits_of_none():
+    x, w, dy, cu, _, h = _halo_case(4, seed=42)
+    for c in (cu, None):
+        zeros = torch.zeros(1 if c is None else h.shape[0], *h.shape[1:], dtype=h.dtype, device="cuda")
+        for p, q in zip(run_halo(x, w, dy, c, zeros)[:3], run(x, w, dy, c)):
+            assert torch.equal(p, q)
+
+
+def test_split_document_with_its_halo_is_the_whole():
+    """The context-parallel identity at real sizes: the stream cut at P inside a document, the second part given
+    the first's last W-1 rows of it as initial state, gives the whole's y bit for bit, and dx (first part's + the
+    state's gradient on those rows) and dw (sum of the parts') within budget."""
+    W, D, T = 4, 2048, 8192
+    cu = [0, 100, 6000, 6001, 8192]
+    x, w, dy = make(T, D, W, seed=43)
+    ref = causal_conv1d_ref_shift(x, w, dy, torch.tensor(cu, device="cuda"), "silu", round_preactivation=True)
+    whole = run(x, w, dy, torch.tensor(cu, dtype=torch.int32, device="cuda"))
+    for P in (4096, 4097, 4000, 4159):  # at and off the forward / backward chunk starts
+        cu1 = torch.tensor([c for c in cu if c < P] + [P], dtype=torch.int32, device="cuda")
+        cu2 = torch.tensor([0] + [c - P for c in cu if c > P], dtype=torch.int32, device="cuda")
+        h = torch.zeros(cu2.numel() - 1, D, W, dtype=torch.bfloat16, device="cuda")
+        h[0, :, 1:] = x[P - W + 1:P].t()
+        a = run(x[:P], w, dy[:P], cu1)
+        b = run_halo(x[P:], w, dy[P:], cu2, h)
+        assert torch.equal(torch.cat([a[0], b[0]]), whole[0])
+        dx = torch.cat([a[1].double(), b[1].double()])
+        dx[P - W + 1:P] += b[3][0, :, 1:].t().double()
+        check_budget("dx", dx, ref[1], BUDGET["dx"])
+        check_budget("dw", a[2].double() + b[2].double(), ref[2], BUDGET["dw32"])
+
+
+def test_initial_state_no_host_sync():
+    x, w, dy = make(4096, 1024, 4, seed=44)
+    for cu in (torch.tensor([0, 1, 4096], dtype=torch.int32, device="cuda"), None,
+               torch.tensor([0, 1, 4096], dtype=torch.int64, device="cuda")):
+        h = make_halo(1 if cu is None else 2, 1024, 4)
+        run_halo(x, w, dy, cu, h)  # warm: compile outside the checked region
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        run_halo(x, w, dy, cu, h)
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_initial_state_torch_compile_fullgraph():
+    x, w, dy = make(4096, 1024, 4, seed=45)
+    cu = torch.tensor([0, 300, 302, 4096], dtype=torch.int32, device="cuda")
+    h = make_halo(3, 1024, 4, seed=45)
+
+    def f(x, w, cu, h):
+        return conv1d.causal_conv1d(x, w, cu_seqlens=cu, initial_state=h) * 2.0
+
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, h)]
+    yc = torch.compile(f, fullgraph=True)(leaves[0], leaves[1], cu, leaves[2])
+    gc = torch.autograd.grad(yc, leaves, dy)
+    eager = [t.clone().requires_grad_(True) for t in (x, w, h)]
+    ye = f(eager[0], eager[1], cu, eager[2])
+    ge = torch.autograd.grad(ye, eager, dy)
+    assert torch.equal(yc, ye) and all(torch.equal(p, q) for p, q in zip(gc, ge))
+
+
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+def test_initial_state_error_vs_fla(wdt):
+    """With an initial state, per tensor (y, dx, dw, d(initial_state)): our relative RMS error against FP64 within
+    min(1.1 x fla's, 2 x ours) on the same inputs (fla takes the same [N, D, W] layout)."""
+    fla_conv = pytest.importorskip("fla.modules.causal_conv1d").causal_conv1d
+    x, w, dy = make(8192, 3072, 4, wdt, seed=46)
+    bounds = [0, 1, 3, 15, 100, 2048, 2049, 5000, 8192]
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    h = make_halo(len(bounds) - 1, 3072, 4, seed=46)
+    ours = run_halo(x, w, dy, cu, h)
+    xf, wf, hf = (t.detach().requires_grad_(True) for t in (x, w, h))
+    yf = fla_conv(xf[None], wf, initial_state=hf, activation="silu", backend="triton", cu_seqlens=cu.long())[0][0]
+    peer = (yf.detach(),) + torch.autograd.grad(yf, (xf, wf, hf), dy)
+    ref = causal_conv1d_ref_shift(x, w, dy, cu, "silu", round_preactivation=False, initial_state=h)
+    from miles_ext_kernels.cake._runtime.testing import rel_rms
+    for name, a, b, r in zip(("y", "dx", "dw", "dh"), ours, peer, ref):
         budget = min(1.1 * rel_rms(b, r), 2.0 * rel_rms(a, r))
         check_budget(name, a, r, budget)

@@ -10,11 +10,19 @@ backward, finishes the rows of the previous document). HAS_CU=False (one documen
 
 Tap names: c_k multiplies x[t - k], i.e. c_k = weight[d, W - 1 - k].
 
+Initial state (HALO=True): each document n has W-1 rows before its start, h[n, d, W - k] = x[start - k] for k in
+1..W-1 (fla's [N, D, W] layout; entry 0 is not read). The window reads them instead of zeros: when a program starts
+within W-1 rows of its document's start, and at every document start it crosses. Rows past the last document
+(padding) have none. HALO=False compiles none of it.
+
 Backward, per row u (ascending): g[u] = dy[u] * act'(pre[u]) with pre[u] recomputed from the x window;
 dw_k += g[u] * x[u - k]; row u - k of dx receives c_k * g[u]; the W-1 open dx rows are carried as partial sums and
 row u - W + 1 is complete (stored) after row u. Programs walk W-1 rows past their chunk (lookahead) to complete
 their last rows. dw partials are per (token block, tap, channel), reduced in a fixed order by `dw_reduce_kernel` (both
 variants: fp32 atomics into [D, W] measured slower on the H200, 256-way contention per address).
+With HALO the same open rows, run back before a document's start, are the initial state's gradient: the program
+whose chunk holds the start stores them into dh (zeroed by the launcher, so documents no program enters, the empty
+ones, keep 0), each entry once, summed in row order: no atomics, the same bits every run.
 
 Runtime sizes are `do_not_specialize` so the set of compiled specializations is finite. D and the row strides are
 passed divided by ALIGN (8 when they allow it) so the compiler sees 16-byte aligned rows and vectorizes.
@@ -86,21 +94,60 @@ def _row(ptr, u, stride, d, mask):
 
 
 @_helper
+def _halo(h_ptr, j, i, d, dm, D, W: tl.constexpr, ok):
+    """Entry i (1..W-1: row i - W before the start) of document j's initial state, channels d; 0 unless `ok`."""
+    return tl.load(h_ptr + (j.to(tl.int64) * D + d) * W + i, mask=_m(dm, ok), other=0.0).to(tl.float32)
+
+
+@_helper
+def _put_halo(dh_ptr, j, i, val, d, dm, D, W: tl.constexpr, ok):
+    """Store `val` as entry i of document j's initial-state gradient where `ok` and 1 <= i <= W-1."""
+    tl.store(dh_ptr + (j.to(tl.int64) * D + d) * W + i, val.to(dh_ptr.dtype.element_ty),
+             mask=_m(dm, ok & (i >= 1) & (i < W)))
+
+
+@_helper
+def _win(x_ptr, h_ptr, t, ss, j, sx, d, dm, D, n_seq, W: tl.constexpr, HALO: tl.constexpr):
+    """Row t of the window of the document that starts at ss (index j): x from ss on; before it the document's
+    initial state (HALO) or zeros. t >= ss - W + 1, as the programs start at or after their document's start."""
+    xr = _row(x_ptr, t, sx, d, _m(dm, t >= ss))
+    if HALO:
+        hr = _halo(h_ptr, j, t - ss + W, d, dm, D, W, (t < ss) & (t - ss + W >= 1) & (j < n_seq))
+        xr = tl.where(t >= ss, xr, hr)
+    return xr
+
+
+@_helper
 def _raw(ptr, u, stride, d, mask):
     """A row in its storage dtype (converted where used: half the registers while the load is in flight)."""
     return tl.load(ptr + u * stride + d, mask=mask, other=0.0)
 
 
 @_helper
-def _fwd_step(u, xu, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq, y_ptr, sy, d, dm, T,
-              W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr):
+def _halo_window(h_ptr, j, xm2, xm3, d, dm, D, n_seq, W: tl.constexpr):
+    """(xm1, xm2, xm3) at the start of document j: its initial state's rows -1, -2, -3 (xm2 / xm3 kept, i.e. 0,
+    where W leaves them unused)."""
+    ok = j < n_seq
+    xm1 = _halo(h_ptr, j, W - 1, d, dm, D, W, ok)
+    if W >= 3:
+        xm2 = _halo(h_ptr, j, W - 2, d, dm, D, W, ok)
+    if W >= 4:
+        xm3 = _halo(h_ptr, j, W - 3, d, dm, D, W, ok)
+    return xm1, xm2, xm3
+
+
+@_helper
+def _fwd_step(u, xu, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq, y_ptr, sy, d, dm, T, h_ptr, D,
+              W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, HALO: tl.constexpr):
     xu = xu.to(tl.float32)
     if HAS_CU:
-        if u >= nb:  # u starts a document: rows before it do not count
+        if u >= nb:  # u starts a document: rows before it do not count (or are its initial state)
             xm1 = tl.zeros_like(xm1)
             xm2 = tl.zeros_like(xm2)
             xm3 = tl.zeros_like(xm3)
             nb, j = _next_start(cu_ptr, u, j, n_seq)
+            if HALO:
+                xm1, xm2, xm3 = _halo_window(h_ptr, j, xm2, xm3, d, dm, D, n_seq, W)
     acc = c0 * xu + c1 * xm1
     if W >= 3:
         acc += c2 * xm2
@@ -113,9 +160,10 @@ def _fwd_step(u, xu, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq, y_ptr,
 
 
 @triton.jit(do_not_specialize=["T", "D_a", "sx_a", "sy_a", "n_seq", "n_iter"])
-def conv1d_fwd_kernel(x_ptr, w_ptr, y_ptr, cu_ptr, T, D_a, sx_a, sy_a, n_seq, n_iter,
-                      W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, ALIGN: tl.constexpr,
-                      BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
+def conv1d_fwd_kernel(x_ptr, w_ptr, y_ptr, cu_ptr, h_ptr, T, D_a, sx_a, sy_a, n_seq, n_iter,
+                      W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, HALO: tl.constexpr,
+                      ALIGN: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
+    """h_ptr: the initial state [n_seq, D, W] (HALO; n_seq 1 without cu_seqlens)."""
     t0 = tl.program_id(0).to(tl.int64) * CHUNK
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     D = D_a * ALIGN
@@ -136,13 +184,13 @@ def conv1d_fwd_kernel(x_ptr, w_ptr, y_ptr, cu_ptr, T, D_a, sx_a, sy_a, n_seq, n_
         ss = t0 * 0
         nb = t0 * 0
         j = tl.program_id(1) * 0
-    xm1 = _row(x_ptr, t0 - 1, sx, d, _m(dm, t0 - 1 >= ss))
+    xm1 = _win(x_ptr, h_ptr, t0 - 1, ss, j, sx, d, dm, D, n_seq, W, HALO)
     xm2 = tl.zeros([BLOCK_D], dtype=tl.float32)
     xm3 = tl.zeros([BLOCK_D], dtype=tl.float32)
     if W >= 3:
-        xm2 = _row(x_ptr, t0 - 2, sx, d, _m(dm, t0 - 2 >= ss))
+        xm2 = _win(x_ptr, h_ptr, t0 - 2, ss, j, sx, d, dm, D, n_seq, W, HALO)
     if W >= 4:
-        xm3 = _row(x_ptr, t0 - 3, sx, d, _m(dm, t0 - 3 >= ss))
+        xm3 = _win(x_ptr, h_ptr, t0 - 3, ss, j, sx, d, dm, D, n_seq, W, HALO)
     for r in range(0, CHUNK, ROWS):
         u = t0 + r
         xa = _raw(x_ptr, u, sx, d, _m(dm, u < T))
@@ -155,32 +203,40 @@ def conv1d_fwd_kernel(x_ptr, w_ptr, y_ptr, cu_ptr, T, D_a, sx_a, sy_a, n_seq, n_
             xg = _raw(x_ptr, u + 6, sx, d, _m(dm, u + 6 < T))
             xh = _raw(x_ptr, u + 7, sx, d, _m(dm, u + 7 < T))
         xm1, xm2, xm3, nb, j = _fwd_step(u, xa, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
-                                         y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+                                         y_ptr, sy, d, dm, T, h_ptr, D, W, ACT, HAS_CU, HALO)
         xm1, xm2, xm3, nb, j = _fwd_step(u + 1, xb, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
-                                         y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+                                         y_ptr, sy, d, dm, T, h_ptr, D, W, ACT, HAS_CU, HALO)
         xm1, xm2, xm3, nb, j = _fwd_step(u + 2, xc, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
-                                         y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+                                         y_ptr, sy, d, dm, T, h_ptr, D, W, ACT, HAS_CU, HALO)
         xm1, xm2, xm3, nb, j = _fwd_step(u + 3, xd, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
-                                         y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+                                         y_ptr, sy, d, dm, T, h_ptr, D, W, ACT, HAS_CU, HALO)
         if ROWS == 8:
             xm1, xm2, xm3, nb, j = _fwd_step(u + 4, xe, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
-                                             y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+                                             y_ptr, sy, d, dm, T, h_ptr, D, W, ACT, HAS_CU, HALO)
             xm1, xm2, xm3, nb, j = _fwd_step(u + 5, xf, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
-                                             y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+                                             y_ptr, sy, d, dm, T, h_ptr, D, W, ACT, HAS_CU, HALO)
             xm1, xm2, xm3, nb, j = _fwd_step(u + 6, xg, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
-                                             y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+                                             y_ptr, sy, d, dm, T, h_ptr, D, W, ACT, HAS_CU, HALO)
             xm1, xm2, xm3, nb, j = _fwd_step(u + 7, xh, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq,
-                                             y_ptr, sy, d, dm, T, W, ACT, HAS_CU)
+                                             y_ptr, sy, d, dm, T, h_ptr, D, W, ACT, HAS_CU, HALO)
 
 
 @_helper
 def _bwd_step(u, xu, dyu, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
-              cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi,
-              W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, ACC_DW: tl.constexpr):
+              cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, h_ptr, dh_ptr, D,
+              W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, HALO: tl.constexpr, ACC_DW: tl.constexpr):
     xu = xu.to(tl.float32)
     dyu = dyu.to(tl.float32)
+    if HALO:  # this program stores the initial-state gradient of the document that starts at ss
+        own = (ss >= t0) & (ss < hi) & (j < n_seq)
     if HAS_CU:
         if u >= nb:  # u starts a document: the open dx rows of the previous one are complete
+            if HALO:  # those before its start are its initial state's (a document shorter than W-1 rows)
+                _put_halo(dh_ptr, j, u - 1 - ss + W, pa1, d, dm, D, W, own & (u - 1 < ss))
+                if W >= 3:
+                    _put_halo(dh_ptr, j, u - 2 - ss + W, pa2, d, dm, D, W, own & (u - 2 < ss))
+                if W >= 4:
+                    _put_halo(dh_ptr, j, u - 3 - ss + W, pa3, d, dm, D, W, own & (u - 3 < ss))
             lo = tl.maximum(ss, t0)
             tl.store(dx_ptr + (u - 1) * sdx + d, pa1.to(dx_ptr.dtype.element_ty),
                      mask=_m(dm, (u - 1 >= lo) & (u - 1 < hi)))
@@ -198,6 +254,9 @@ def _bwd_step(u, xu, dyu, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, 
             xm3 = tl.zeros_like(xm3)
             ss = u
             nb, j = _next_start(cu_ptr, u, j, n_seq)
+            if HALO:
+                xm1, xm2, xm3 = _halo_window(h_ptr, j, xm2, xm3, d, dm, D, n_seq, W)
+                own = (ss < hi) & (j < n_seq)
     if ACT == 0:
         g = dyu
     else:
@@ -233,15 +292,19 @@ def _bwd_step(u, xu, dyu, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, 
     else:
         lo = t0
     tl.store(dx_ptr + r * sdx + d, fin.to(dx_ptr.dtype.element_ty), mask=_m(dm, (r >= lo) & (r < hi)))
+    if HALO:
+        _put_halo(dh_ptr, j, r - ss + W, fin, d, dm, D, W, own & (r < ss))
     return xu, xm1, xm2, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j
 
 
 @triton.jit(do_not_specialize=["T", "D_a", "sx_a", "sdy_a", "sdx_a", "Dp_a", "n_seq", "n_iter"])
-def conv1d_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, T, D_a, sx_a, sdy_a, sdx_a, Dp_a, n_seq, n_iter,
-                      W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, ALIGN: tl.constexpr,
-                      BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
+def conv1d_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, h_ptr, dh_ptr, T, D_a, sx_a, sdy_a, sdx_a, Dp_a,
+                      n_seq, n_iter, W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, HALO: tl.constexpr,
+                      ALIGN: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
     """ACT: 0 none, 1 SiLU (SiLU' at the bf16-rounded pre-activation), 2 SiLU (exact fp32 pre-activation).
-    dw_ptr: fp32 partials [n_blocks, W, Dp] (one row of W x Dp per token block), reduced by dw_reduce_kernel."""
+    dw_ptr: fp32 partials [n_blocks, W, Dp] (one row of W x Dp per token block), reduced by dw_reduce_kernel.
+    h_ptr / dh_ptr (HALO): the initial state and its gradient, [n_seq, D, W] (n_seq 1 without cu_seqlens); dh_ptr
+    zeroed."""
     pid_t = tl.program_id(0)
     t0 = pid_t.to(tl.int64) * CHUNK
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -265,13 +328,13 @@ def conv1d_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, T, D_a, sx_a
         ss = t0 * 0
         nb = t0 * 0
         j = tl.program_id(1) * 0
-    xm1 = _row(x_ptr, t0 - 1, sx, d, _m(dm, t0 - 1 >= ss))
+    xm1 = _win(x_ptr, h_ptr, t0 - 1, ss, j, sx, d, dm, D, n_seq, W, HALO)
     xm2 = tl.zeros([BLOCK_D], dtype=tl.float32)
     xm3 = tl.zeros([BLOCK_D], dtype=tl.float32)
     if W >= 3:
-        xm2 = _row(x_ptr, t0 - 2, sx, d, _m(dm, t0 - 2 >= ss))
+        xm2 = _win(x_ptr, h_ptr, t0 - 2, ss, j, sx, d, dm, D, n_seq, W, HALO)
     if W >= 4:
-        xm3 = _row(x_ptr, t0 - 3, sx, d, _m(dm, t0 - 3 >= ss))
+        xm3 = _win(x_ptr, h_ptr, t0 - 3, ss, j, sx, d, dm, D, n_seq, W, HALO)
     pa1 = tl.zeros([BLOCK_D], dtype=tl.float32)
     pa2 = tl.zeros([BLOCK_D], dtype=tl.float32)
     pa3 = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -300,29 +363,29 @@ def conv1d_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, T, D_a, sx_a
             gh = _raw(dy_ptr, u + 7, sdy, d, _m(dm, u + 7 < T))
         xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
             u, xa, ga, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
-            cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+            cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, h_ptr, dh_ptr, D, W, ACT, HAS_CU, HALO, True)
         xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
             u + 1, xb, gb, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
-            cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+            cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, h_ptr, dh_ptr, D, W, ACT, HAS_CU, HALO, True)
         xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
             u + 2, xc, gc, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
-            cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+            cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, h_ptr, dh_ptr, D, W, ACT, HAS_CU, HALO, True)
         xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
             u + 3, xd, gd, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
-            cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+            cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, h_ptr, dh_ptr, D, W, ACT, HAS_CU, HALO, True)
         if ROWS == 8:
             xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
                 u + 4, xe, ge, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
-                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, h_ptr, dh_ptr, D, W, ACT, HAS_CU, HALO, True)
             xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
                 u + 5, xf, gf, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
-                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, h_ptr, dh_ptr, D, W, ACT, HAS_CU, HALO, True)
             xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
                 u + 6, xg, gg, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
-                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, h_ptr, dh_ptr, D, W, ACT, HAS_CU, HALO, True)
             xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
                 u + 7, xh, gh, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
-                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, True)
+                cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, h_ptr, dh_ptr, D, W, ACT, HAS_CU, HALO, True)
     # lookahead: W-1 rows past the chunk complete its last dx rows (no dw: those rows belong to the next block)
     for k in tl.static_range(W - 1):
         u = t0 + CHUNK + k
@@ -330,7 +393,7 @@ def conv1d_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, T, D_a, sx_a
         ga = _raw(dy_ptr, u, sdy, d, _m(dm, u < T))
         xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, ss, nb, j = _bwd_step(
             u, xa, ga, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, c1, c2, c3, ss, nb, j,
-            cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, W, ACT, HAS_CU, False)
+            cu_ptr, n_seq, dx_ptr, sdx, d, dm, t0, hi, h_ptr, dh_ptr, D, W, ACT, HAS_CU, HALO, False)
     Dp = Dp_a * 8
     base = dw_ptr + pid_t.to(tl.int64) * (W * Dp) + d
     tl.store(base + (W - 1) * Dp, dw0, mask=dm)
