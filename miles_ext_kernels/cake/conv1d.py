@@ -71,7 +71,7 @@ def check_supported(*, kernel_size: int = 4, activation: str | None = "silu", ha
         raise ValueError(f"x_dtype must be 'bfloat16', got {x_dtype!r}")
 
 
-def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu", initial_state=None):
+def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu", initial_state=None, cp_context=None):
     """Causal depthwise conv over packed documents, then SiLU (or nothing); differentiable in x, weight and
     initial_state.
 
@@ -90,9 +90,16 @@ def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu", initial_stat
                 the last dim is not read (its gradient is 0). Rows past cu_seqlens[-1] (padding) have none. Any
                 layout (copied unless contiguous). Its gradient has its shape and dtype; that of an empty document is
                 0.
+    cp_context: context parallelism (`cake.build_cp_context(cu_seqlens_global, group, conv1d_kernel_size=W,
+                layout=...)`) with x the rank's tokens [T_rank, D] in layout order: the documents come from the
+                context (cu_seqlens and initial_state must be None); each piece that continues a document on another
+                rank reads that document's previous W - 1 inputs (the halo: one all_gather of 2 (W - 1) D bytes per
+                piece that continues on another rank, forward, and of the halo's gradient, backward). dweight is this
+                rank's partial sum: the caller's data-parallel / CP all-reduce adds them. Eager only.
     Returns y [T, D] bfloat16 (contiguous). The variant (det/fast) and the silu-grad option are read when the call
     runs; the backward runs what its forward read.
     """
     from ._impl import conv1d as impl  # a static import: torch.compile traces it (importlib it cannot)
 
-    return impl.causal_conv1d(x, weight, cu_seqlens=cu_seqlens, activation=activation, initial_state=initial_state)
+    return impl.causal_conv1d(x, weight, cu_seqlens=cu_seqlens, activation=activation, initial_state=initial_state,
+                              cp_context=cp_context)

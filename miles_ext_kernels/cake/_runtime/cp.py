@@ -218,6 +218,76 @@ class CPContext:
             self._cache["bwd_chain"] = _padded(rows, self.device)
         return self._cache["bwd_chain"]
 
+    def halo_tables(self, width: int) -> dict:
+        """Index tables of conv1d's halo exchange at kernel width `width` (R = width - 1 rows per piece):
+        export  int64 [max_export, R]: the local rows each exporting piece sends (its last R; -1: before the piece);
+        state   int64 [n_local, width]: per local document, the flat row of the gathered [W * max_export * R] buffer
+                that entry j of its initial state reads (x[start - (width - j)]), -1 for zeros (entry 0, rows before
+                the document, pieces without a predecessor);
+        grad    int64 [max_export * R, L]: per exported row, the flat rows of the gathered [W * max_import * R]
+                state-gradient buffer that read it (-1 pads), summed in this order;
+        rows    int64 [n_rows], slots int64 [n_rows]: the local rows that receive those sums and their exported-row
+                index (the exported rows that lie in their piece)."""
+        key = ("halo", width)
+        if key in self._cache:
+            return self._cache[key]
+        R = width - 1
+        loc = {}  # (rank, seg) -> local start row
+        for lst in self.all_pieces:
+            off = 0
+            for p in lst:
+                loc[(p.rank, p.seg)] = off
+                off += p.end - p.start
+
+        def source(doc_pieces, pos):
+            """(exporting piece, row r of its sent rows) that holds global token pos, or None."""
+            for q in doc_pieces:
+                if q.start <= pos < q.end:
+                    return q, pos - (q.end - R)
+            return None
+
+        export = [[-1] * R for _ in range(self.max_export)]
+        for e, seg in enumerate(self.export_slots[self.rank]):
+            p = self.pieces[seg]
+            for r in range(R):
+                g = p.end - R + r
+                if g >= p.start:
+                    export[e][r] = loc[(p.rank, p.seg)] + g - p.start
+        state = [[-1] * width for _ in self.pieces]
+        users: dict = {}  # (rank, export slot, r) -> [flat gathered state-gradient rows], in (rank, slot, k) order
+        for lst in self.all_pieces:
+            for p in lst:
+                if not p.imports:
+                    continue
+                dp = self._doc_pieces(p.doc)[:p.index]
+                i = self.import_slots[p.rank].index(p.seg)
+                for k in range(1, width):
+                    src = source(dp, p.start - k)
+                    if src is None:
+                        continue
+                    q, r = src
+                    e = self.export_slots[q.rank].index(q.seg)
+                    if p.rank == self.rank:
+                        state[p.seg][width - k] = (q.rank * self.max_export + e) * R + r
+                    users.setdefault((q.rank, e, r), []).append((p.rank * self.max_import + i) * R + (k - 1))
+        grad = [[] for _ in range(self.max_export * R)]
+        rows, slots = [], []
+        for e, seg in enumerate(self.export_slots[self.rank]):
+            for r in range(R):
+                grad[e * R + r] = sorted(users.get((self.rank, e, r), []))
+                if export[e][r] >= 0:
+                    rows.append(export[e][r])
+                    slots.append(e * R + r)
+        L = max([len(x) for x in grad] + [1])
+        grad = [x + [-1] * (L - len(x)) for x in grad]
+        t = {"export": export, "state": state, "grad": grad, "rows": rows, "slots": slots}
+        out = {n: torch.tensor(v, dtype=torch.int64).reshape(-1, width if n == "state" else R if n == "export" else L)
+               if n in ("export", "state", "grad") else torch.tensor(v, dtype=torch.int64)
+               for n, v in t.items()}
+        out = {n: v.to(self.device) for n, v in out.items()}
+        self._cache[key] = out
+        return out
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
             raise RuntimeError("this CP context has no process group (a simulated rank): run its stages with "

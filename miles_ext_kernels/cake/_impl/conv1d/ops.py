@@ -17,6 +17,7 @@ import torch
 
 from miles_ext_kernels.cake._runtime import build, checks, config, workspace
 from miles_ext_kernels.cake._runtime.autograd import KernelOp
+from miles_ext_kernels.cake._runtime.cp import CPContext, stage_function
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
 from miles_ext_kernels.cake._runtime.operands import operand
 from miles_ext_kernels.cake.conv1d import OP as SPEC
@@ -163,10 +164,77 @@ def _act_mode(activation) -> int:
     return 2 if config.option(OP, "silu_grad_preactivation") == "fp32" else 1
 
 
-def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu", initial_state=None):
+def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu", initial_state=None, cp_context=None):
     """See `miles_ext_kernels.cake.conv1d.causal_conv1d`."""
+    if cp_context is not None:
+        _check_cp(cp_context, x, weight, cu_seqlens, initial_state)
+        _check(x, weight, cp_context.cu_seqlens, activation, None)
+        return CONV1D_CP.apply(cp_context, x, weight, _act_mode(activation))
     _check(x, weight, cu_seqlens, activation, initial_state)
     return CONV1D(x, weight, cu_seqlens, initial_state, _act_mode(activation))
+
+
+# ------------------------------------------------------------------------------------------ context parallelism
+def _check_cp(cp, x, weight, cu_seqlens, initial_state) -> None:
+    if not isinstance(cp, CPContext):
+        raise TypeError(f"conv1d: cp_context must come from cake.build_cp_context, got {type(cp).__name__}")
+    if cu_seqlens is not None or initial_state is not None:
+        raise ValueError("conv1d: with cp_context, cu_seqlens and initial_state come from the context: pass neither")
+    if isinstance(x, torch.Tensor) and (x.dim() != 2 or x.shape[0] != cp.num_tokens):
+        raise ValueError(f"conv1d: with cp_context x must be [{cp.num_tokens}, D] (this rank's tokens), got "
+                         f"{tuple(x.shape)}")
+    if isinstance(x, torch.Tensor) and x.device != cp.device:
+        raise ValueError(f"conv1d: cp_context was built for {cp.device}, x is on {x.device}")
+    W = weight.shape[-1] if isinstance(weight, torch.Tensor) else None
+    if cp.conv1d_kernel_size is not None and W is not None and W != cp.conv1d_kernel_size:
+        raise ValueError(f"conv1d: weight has width {W}, the CP context was built for conv1d_kernel_size="
+                         f"{cp.conv1d_kernel_size}")
+
+
+def _rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """src[idx] along dim 0 with -1 giving zero rows (an index_select and a select, no copy of src)."""
+    got = src.index_select(0, idx.clamp(min=0).reshape(-1)).view(*idx.shape, *src.shape[1:])
+    return torch.where((idx >= 0).view(*idx.shape, *([1] * (src.dim() - 1))), got, torch.zeros((), dtype=src.dtype,
+                                                                                              device=src.device))
+
+
+def cp_forward_stage(cp, x, weight, act_mode):
+    """One rank's CP forward (a stage generator, `_runtime/cp.py`): each exporting piece sends its last W - 1 rows;
+    each local document's initial state is read from the gathered rows (zeros where the document starts here)."""
+    W = weight.shape[1]
+    t = cp.halo_tables(W)
+    gathered = yield _rows(x, t["export"])                                   # [max_export, W - 1, D]
+    flat = gathered.reshape(-1, x.shape[1])
+    h0 = _rows(flat, t["state"]).permute(0, 2, 1).contiguous()               # [n_local, D, W]
+    (y,) = conv1d_forward(x, weight, cp.cu_seqlens, h0, act_mode)
+    return y, (x, weight, h0, act_mode)
+
+
+def cp_backward_stage(cp, saved, dy):
+    """One rank's CP backward: the initial states' gradients go back to the rows they read, summed in the plan's
+    fixed order; dweight is this rank's partial sum."""
+    x, weight, h0, act_mode = saved
+    W = weight.shape[1]
+    t = cp.halo_tables(W)
+    dx, dw, dh = conv1d_backward(dy, x, weight, cp.cu_seqlens, h0, act_mode)
+    R = W - 1
+    # the importing documents' state gradients, as rows: entry W - k of the last dim is row k - 1
+    d_rows = dh.flip(-1)[:, :, :R].permute(0, 2, 1)                           # [n_local, W - 1, D]
+    buf = torch.zeros(cp.max_import, R, x.shape[1], dtype=dh.dtype, device=dh.device)
+    if cp.n_import:
+        buf[:cp.n_import] = d_rows.index_select(0, cp.import_segs)
+    gathered = (yield buf).reshape(-1, x.shape[1]).float()
+    if t["rows"].numel():
+        parts = _rows(gathered, t["grad"])                                   # [max_export * (W - 1), L, D]
+        total = parts[:, 0]
+        for j in range(1, parts.shape[1]):
+            total = total + parts[:, j]
+        rows = t["rows"]
+        dx[rows] = (dx.index_select(0, rows).float() + total.index_select(0, t["slots"])).to(dx.dtype)
+    return dx, dw, None
+
+
+CONV1D_CP = stage_function(cp_forward_stage, cp_backward_stage)
 
 
 # ---------------------------------------------------------------------------------------------------- routes
