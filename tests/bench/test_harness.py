@@ -68,8 +68,9 @@ ON_CPU = {
     "gqa": {"gqa": {"cake det", "cake fast"}},
     "gdn": {"gdn": {"cake det", "cake det, recompute-state"}},
     "kda": {"kda": {"cake det"}},
-    "cp": {"cp": {"plain (one call)", "cp W=2 contiguous", "cp W=4 contiguous", "cp W=8 contiguous",
-                  "cp W=4 zigzag"}},
+    "cp": {"cp": {"plain (one call)"} | {f"{kind} W={w} {layout}" for kind in ("cp", "per-rank")
+                                        for layout, w in (("contiguous", 2), ("contiguous", 4), ("contiguous", 8),
+                                                          ("zigzag", 4))}},
     "conv1d": {"conv1d": {"cake det", "cake fast", "torch F.conv1d/doc"}},
     "norms": {"rmsnorm": {"cake det", "cake fast", "eager"}, "gated_rmsnorm": {"cake det", "cake fast", "eager"}},
 }
