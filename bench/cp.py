@@ -176,8 +176,9 @@ def shapes(quick: bool) -> dict:
     out = {}
     for op, dims in OPS.items():
         out[f"{op} 4x32768"] = dict(dims, op=op, lens=[32768] * 4)
-        if not quick:
-            out[f"{op} 16x8192"] = dict(dims, op=op, lens=[8192] * 16)
+        if not quick:  # rank boundaries inside documents for every plan (4 x 32768 aligns them for W = 2, 4)
+            out[f"{op} 1x131072"] = dict(dims, op=op, lens=[131072])
+            out[f"{op} 6 irregular"] = dict(dims, op=op, lens=[40960, 8192, 24576, 16384, 32768, 8192])
     return out
 
 
