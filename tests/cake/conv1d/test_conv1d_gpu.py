@@ -99,25 +99,32 @@ def test_strided_column_slice_and_misaligned():
         check_budget("dw", dw, rdw, BUDGET["dw32"])
 
 
-def test_det_bitwise_repeats_stream_pool():
-    x, w, dy = make(8192, 3072, 4, torch.bfloat16, seed=13)
-    cu = torch.tensor([0, 100, 2048, 2049, 8192], dtype=torch.int32, device="cuda")
-    ref = run(x, w, dy, cu)
+def _repeats_on_a_side_stream_and_with_the_pool(call):
+    """call()'s tensors repeat bit for bit: 3 more times, on a side stream, and with the workspace pool on (left
+    on). Returns the first result."""
+    ref = call()
     for _ in range(3):
-        for p, q in zip(run(x, w, dy, cu), ref):
+        for p, q in zip(call(), ref):
             assert torch.equal(p, q)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        got = run(x, w, dy, cu)
+        got = call()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     for p, q in zip(got, ref):
         assert torch.equal(p, q)
     mek.configure(workspace_pool_bytes=1 << 30)
     for _ in range(2):
-        for p, q in zip(run(x, w, dy, cu), ref):
+        for p, q in zip(call(), ref):
             assert torch.equal(p, q)
+    return ref
+
+
+def test_det_bitwise_repeats_stream_pool():
+    x, w, dy = make(8192, 3072, 4, torch.bfloat16, seed=13)
+    cu = torch.tensor([0, 100, 2048, 2049, 8192], dtype=torch.int32, device="cuda")
+    _repeats_on_a_side_stream_and_with_the_pool(lambda: run(x, w, dy, cu))
 
 
 @pytest.mark.parametrize("halo", [False, True])
@@ -263,22 +270,7 @@ def test_initial_state_one_document(activation):
 
 def test_initial_state_det_bitwise_repeats_stream_pool():
     x, w, dy, cu, _, h = _halo_case(4, torch.bfloat16, seed=41, D=3072)
-    ref = run_halo(x, w, dy, cu, h)
-    for _ in range(3):
-        for p, q in zip(run_halo(x, w, dy, cu, h), ref):
-            assert torch.equal(p, q)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        got = run_halo(x, w, dy, cu, h)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    for p, q in zip(got, ref):
-        assert torch.equal(p, q)
-    mek.configure(workspace_pool_bytes=1 << 30)
-    for _ in range(2):
-        for p, q in zip(run_halo(x, w, dy, cu, h), ref):
-            assert torch.equal(p, q)
+    ref = _repeats_on_a_side_stream_and_with_the_pool(lambda: run_halo(x, w, dy, cu, h))
     mek.configure(conv1d_variant="fast")
     for p, q in zip(run_halo(x, w, dy, cu, h), ref):  # fast runs the det kernels
         assert torch.equal(p, q)
