@@ -218,7 +218,7 @@ def test_nonfinite_token_reaches_only_the_rows_that_see_it(name, value):
     q, k, v, _, cq, ck = _inputs(lens_q, lens_k, 2, 1, seed=14)
     scale = D ** -0.5
     out0, lse0 = ops.gqa_forward(q, k, v, cq, ck, scale)
-    for doc, j in ((0, 8), (1, 20)):
+    for doc, j in ((0, 8), (1, 20), (1, 2)):
         x = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
         row = (sum(lens_q[:doc]) if name == "q" else sum(lens_k[:doc])) + j
         x[name][row, 0, 5] = value

@@ -250,8 +250,9 @@ def test_nonfinite_token_reaches_only_the_rows_that_see_it(name, value):
     the other documents and kv head keep the bits of the run without it; the rows that see it are non-finite (v:
     each one; q, k: where the FP64 reference is); v leaves LSE as it was. Tokens on a warpgroup's diagonal key block
     (document 0, key 212: rows 192-211 of the tile's second warpgroup mask it out), in a document with 33 more keys
-    than queries (a warpgroup with two masked key blocks), and in the last document's diagonal block, with NaN in
-    the padding rows past the last document as well (read by TMA, zeroed before P V)."""
+    than queries (a warpgroup with two masked key blocks; and at its key 5, which document 0's last key block reads by
+    TMA), and in the last document's diagonal block, with NaN in the padding rows past the last document as well
+    (read by TMA, zeroed before P V)."""
     from miles_ext_kernels.cake._impl.gqa import ops
 
     lens_q, lens_k, hq, hkv = [300, 200, 129], [300, 233, 129], 6, 2
@@ -268,7 +269,7 @@ def test_nonfinite_token_reaches_only_the_rows_that_see_it(name, value):
                                                        ops.gqa_forward(wide[:, :, :D], x["k"], x["v"], cq, ck, SCALE))]
 
     clean = routes({"q": q, "k": k, "v": v})
-    for doc, j in ((0, 212), (1, 100), (2, 100)):
+    for doc, j in ((0, 212), (1, 100), (1, 5), (2, 100)):
         x = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
         row = (sum(lens_q[:doc]) if name == "q" else sum(lens_k[:doc])) + j
         x[name][row, 1, 77] = value  # query head 1, or kv head 1 (query heads 3-5)
