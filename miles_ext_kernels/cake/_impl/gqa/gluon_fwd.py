@@ -143,7 +143,8 @@ def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: 
             mbarrier.arrive(v_empty.index(stage), count=1)
 
     # rows that came out non-finite: kernels._fwd_fix_kernel runs the tile again, keeping a later key's non-finite V
-    # row from the rows that mask it out (P = 0 there, but 0 * NaN = NaN). A row sum is non-finite iff a term is
+    # row from the rows that mask it out (P = 0 there, but 0 * NaN = NaN). A row sum is non-finite iff a term is (or
+    # finite terms overflow it: a needless second pass, same result)
     offs_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     bad = ((mr + offs_o) < L_q) & ~(gl.abs(gl.sum(acc, 1)) < float("inf"))
     gl.store(bad_tile + HALF * ROWS + offs_o, bad.to(gl.int8))
