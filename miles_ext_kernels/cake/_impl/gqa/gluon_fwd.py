@@ -20,8 +20,8 @@ first: `kernels._tile_prefix_kernel` numbers them). Warp-specialized, three part
   causal / length mask sets their scores to -inf, and V rows past the segment are zeroed in shared memory before
   P V, since 0 * (NaN or inf padding) would not be 0. Only a segment's last key block crosses the end, and
   warpgroup 1 always runs it: warpgroup 1 zeroes the rows and signals an mbarrier that warpgroup 0 waits on.
-- The rows that come out non-finite are flagged for `kernels._fwd_fix_kernel`, which runs their tile again keeping a
-  later key's non-finite V row from the rows that mask it out (the loop does not look at V for it).
+- The rows that come out non-finite get LSE NaN, which sends their tile to `kernels._fwd_fix_kernel`: it runs the
+  tile again keeping a later key's non-finite V row from the rows that mask it out (the loop does not look at V).
 Requires at least one query and one key, heads contiguous within a token row (head stride = head dim) and rows that do
 not overlap (`ops._gluon_fwd_fits`); other operands take the Triton kernel (16-byte alignment is ensured for both
 routes by `ops._ready`, which copies misaligned operands). Gluon has no interpreter: CPU tests run the Triton kernel.
@@ -84,9 +84,9 @@ def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: 
               ROWS: gl.constexpr, BN: gl.constexpr):
     """One warpgroup: query rows [m0 + HALF * ROWS, + ROWS) of the tile, over the key blocks they see (warpgroup 0
     may stop one block before warpgroup 1: that block is fully masked for its rows, so skipping it leaves the bits
-    unchanged). `out`: (o_desc, O, LSE, the tile's BM flags in BAD, T_q, O's token and head strides); `tile`:
-    `U.query_tile`'s (q0, L_q, L_k, m0, offset)."""
-    o_desc, O, LSE, bad_tile, T_q, sot, soh = out
+    unchanged). `out`: (o_desc, O, LSE, T_q, O's token and head strides); `tile`: `U.query_tile`'s (q0, L_q, L_k, m0,
+    offset)."""
+    o_desc, O, LSE, T_q, sot, soh = out
     q_smem, q_bar = q_halves
     k_smem, k_full, k_empty = k_ring
     v_smem, v_full, v_empty = v_ring
@@ -142,15 +142,14 @@ def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: 
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, pb))[0]
             mbarrier.arrive(v_empty.index(stage), count=1)
 
-    # rows that came out non-finite: kernels._fwd_fix_kernel runs the tile again, keeping a later key's non-finite V
-    # row from the rows that mask it out (P = 0 there, but 0 * NaN = NaN). A row sum is non-finite iff a term is (or
-    # finite terms overflow it: a needless second pass, same result)
-    offs_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    bad = ((mr + offs_o) < L_q) & ~(gl.abs(gl.sum(acc, 1)) < float("inf"))
-    gl.store(bad_tile + HALF * ROWS + offs_o, bad.to(gl.int8))
+    # a row sum is non-finite iff a term is (or finite terms overflow it: a needless second pass, same result)
+    fin = gl.convert_layout(gl.abs(gl.sum(acc, 1)) < float("inf"), gl.SliceLayout(1, s_layout))
     empty = l_i == 0.0  # rows that see no key: out 0, LSE -inf
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    # a non-finite row gets LSE NaN: kernels._fwd_fix_kernel runs the tile again, keeping a later key's non-finite V
+    # row from the rows that mask it out (P = 0 there, but 0 * NaN = NaN), and rewrites out and LSE
+    lse = gl.where(fin, lse, float("nan"))
     out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
     # this warpgroup's Q half is free (its last S has completed): stage the output there
     q_tile.store(out)
@@ -166,11 +165,11 @@ def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: 
 
 
 @gluon.jit(do_not_specialize=_RUNTIME)
-def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, BAD, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, H_q, group,
+def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, H_q, group,
                sot, soh, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
-    """Out, LSE and the non-finite-row flags BAD [programs, BM] (as `kernels._fwd_kernel`'s) of one BM-row query tile
-    of one segment and one query head. `num_warps` = 4 is the default partition (warpgroup 0); the CTA has 12 warps:
-    warpgroup 1 and the loader warp's warpgroup."""
+    """Out and LSE of one BM-row query tile of one segment and one query head; LSE NaN marks a row that came out
+    non-finite (as `kernels._fwd_kernel`'s). `num_warps` = 4 is the default partition (warpgroup 0); the CTA has 12
+    warps: warpgroup 1 and the loader warp's warpgroup."""
     ROWS: gl.constexpr = BM // 2
     pid = gl.program_id(0)
     h = pid % H_q
@@ -185,8 +184,6 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, BAD, CU_Q, CU_K, TS, sm_s
         z_rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, row_layout))
         gl.store(LSE + h.to(gl.int64) * T_q + z_rows, gl.full([BM], float("-inf"), gl.float32,
                                                               gl.SliceLayout(1, row_layout)), mask=z_rows < T_q)
-        z_offs = gl.arange(0, BM, layout=gl.SliceLayout(1, row_layout))
-        gl.store(BAD + pid.to(gl.int64) * BM + z_offs, gl.zeros([BM], gl.int8, gl.SliceLayout(1, row_layout)))
     else:
         q0, L_q, k0, L_k, m0, offset, n_blocks = U.query_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, BM, BN)
         qk_scale = sm_scale * 1.4426950408889634
@@ -206,7 +203,7 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, BAD, CU_Q, CU_K, TS, sm_s
             mbarrier.init(v_full.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # released by both warpgroups
             mbarrier.init(v_empty.index(i), count=2)
-        out = (o_desc, O, LSE, BAD + pid.to(gl.int64) * BM, T_q, sot, soh)
+        out = (o_desc, O, LSE, T_q, sot, soh)
         q_halves = (q_smem, q_bar)  # the two warpgroups' 64-row halves of the Q tile, one barrier each
         k_ring = (k_smem, k_full, k_empty)
         v_ring = (v_smem, v_full, v_empty)

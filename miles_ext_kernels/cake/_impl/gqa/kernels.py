@@ -12,10 +12,11 @@ diagonal (a scalar branch): on triton 3.6 a second, unmasked loop doubled the pi
 
 Non-finite V: in a masked key block P is 0 on the keys a row must not see, but 0 * NaN = 0 * inf = NaN, so a NaN or
 an inf in V's row of a later key would reach every row of the block through P V, earlier rows included. The forward
-(`_fwd_kernel`, or the Gluon one) does not look at V for it (its loop is unchanged); it flags the rows that came out
-non-finite, and `_fwd_fix_kernel` (a persistent grid over the flags, launched after it) runs their tiles again with
-V's non-finite entries zeroed in the masked blocks and the rows that see one set to NaN. Rows that do not see a
-non-finite V row then have the bits they have without it; K needs nothing (its scores are masked with a select).
+(`_fwd_kernel`, or the Gluon one) does not look at V for it (its loop is unchanged); it gives the rows that came out
+non-finite LSE NaN, and `_fwd_fix_kernel` (a persistent grid over LSE, launched after it) runs their tiles again
+with V's non-finite entries zeroed in the masked blocks and the rows that see one set to NaN, rewriting out and
+LSE. Rows that do not see a non-finite V row then have the bits they have without it; K needs nothing (its scores
+are masked with a select).
 
 Backward: `_bwd_dq_kernel` (per query tile and head, key blocks in order; also writes delta = rowsum(dO * O)), then
 `_bwd_dkdv_kernel` (per key tile and kv head, the group's query heads in a fixed order). With S_ROWS the dK/dV
@@ -118,12 +119,13 @@ def _fwd_block(acc, l_i, m_i, nan_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, o
 
 
 @triton.jit
-def _fwd_tile(Q, K, V, O, LSE, BAD, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, pid, H_q, group,
+def _fwd_tile(Q, K, V, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, pid, H_q, group,
               sqt, sqh, skt, skh, svt, svh, sot, soh, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               DIAG_ONLY: tl.constexpr, SAFE: tl.constexpr, INTERPRET: tl.constexpr):
-    """Out and LSE of program pid's query tile and head (pid < the tile count times H_q). Not SAFE: also BAD[pid * BM
-    + r] = 1 where row r came out non-finite, else 0 (`_fwd_fix_kernel` runs those tiles again with SAFE). SAFE:
-    V's non-finite entries are zeroed in the masked key blocks and the rows that see one are NaN (`_finite_v`)."""
+    """Out and LSE of program pid's query tile and head (pid < the tile count times H_q). Not SAFE: a row that came
+    out non-finite gets LSE NaN, the mark `_fwd_fix_kernel` looks for (it runs the tile again and rewrites its LSE).
+    SAFE: V's non-finite entries are zeroed in the masked key blocks and the rows that see one are NaN
+    (`_finite_v`)."""
     h = pid % H_q
     t = pid // H_q
     hk = h // group
@@ -161,22 +163,21 @@ def _fwd_tile(Q, K, V, O, LSE, BAD, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter
     else:
         out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    if not SAFE:
+        # a row sum is non-finite iff a term is (or finite terms overflow it: a needless second pass, same result)
+        lse = tl.where(tl.abs(tl.sum(out, 1)) < float("inf"), lse, float("nan"))
     o_ptrs = O + (q0 + m0).to(tl.int64) * sot + h * soh + (offs_m[:, None] * sot + offs_d[None, :])
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=rvalid[:, None])
     tl.store(LSE + h.to(tl.int64) * T_q + q0 + m0 + offs_m, lse, mask=rvalid)
-    if not SAFE:
-        # a row sum is non-finite iff a term is (or finite terms overflow it: a needless second pass, same result)
-        bad = rvalid & ~(tl.abs(tl.sum(out, 1)) < float("inf"))
-        tl.store(BAD + pid.to(tl.int64) * BM + offs_m, bad.to(tl.int8))
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
-def _fwd_kernel(Q, K, V, O, LSE, BAD, CU_Q, CU_K, TS,
+def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
                 sm_scale, T_q, n_seg, n_iter, H_q, group,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DIAG_ONLY: tl.constexpr,
                 INTERPRET: tl.constexpr):
-    """Out, LSE and the non-finite-row flags BAD [programs, BM] (`_fwd_tile`) of one query tile and head."""
+    """Out and LSE of one query tile and head; LSE NaN marks a row that came out non-finite (`_fwd_tile`)."""
     pid = tl.program_id(0)
     h = pid % H_q
     t = pid // H_q
@@ -190,36 +191,50 @@ def _fwd_kernel(Q, K, V, O, LSE, BAD, CU_Q, CU_K, TS,
         o_ptrs = O + rows.to(tl.int64)[:, None] * sot + h * soh + offs_d[None, :]
         tl.store(o_ptrs, tl.zeros([BM, D], dtype=O.dtype.element_ty), mask=rmask[:, None])
         tl.store(LSE + h.to(tl.int64) * T_q + rows, tl.full([BM], float("-inf"), tl.float32), mask=rmask)
-        tl.store(BAD + pid.to(tl.int64) * BM + offs_m, tl.zeros([BM], dtype=tl.int8))
     else:
-        _fwd_tile(Q, K, V, O, LSE, BAD, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, pid, H_q, group, sqt, sqh, skt,
-                  skh, svt, svh, sot, soh, D, BM, BN, DIAG_ONLY, False, INTERPRET)
+        _fwd_tile(Q, K, V, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, pid, H_q, group, sqt, sqh, skt, skh,
+                  svt, svh, sot, soh, D, BM, BN, DIAG_ONLY, False, INTERPRET)
 
 
-@triton.jit(do_not_specialize=_RUNTIME + ["n_prog"])
-def _fwd_fix_kernel(Q, K, V, O, LSE, BAD, CU_Q, CU_K, TS,
-                    sm_scale, T_q, n_seg, n_iter, H_q, group, n_prog,
+@triton.jit(do_not_specialize=_RUNTIME)
+def _fwd_fix_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
+                    sm_scale, T_q, n_seg, n_iter, H_q, group,
                     sqt, sqh, skt, skh, svt, svh, sot, soh,
                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DIAG_ONLY: tl.constexpr,
                     CH: tl.constexpr, INTERPRET: tl.constexpr):
-    """The forward's tiles that came out with a non-finite row (BAD, from `_fwd_kernel` or the Gluon forward) again,
-    with non-finite V rows contained (`_fwd_tile` SAFE). In masked key blocks P is 0 on a key a row must not see,
-    but 0 * NaN = NaN: a later token's NaN or inf in V would reach every row of its block, earlier ones too. The
-    first pass does not look at V (no cost in its loop); a non-finite row sends its tile here, and the rows that do
-    not see a non-finite V row come out with the bits they have without it. A persistent grid reads the flags in
-    chunks of CH programs; a tile with none costs one load of its flags."""
-    offs_c = tl.arange(0, CH)
-    offs_m = tl.arange(0, BM)
-    for c in range(tl.program_id(0) * CH, n_prog, tl.num_programs(0) * CH):
-        pids = c + offs_c
-        flags = tl.load(BAD + pids.to(tl.int64)[:, None] * BM + offs_m[None, :], mask=(pids < n_prog)[:, None],
-                        other=0)
-        hit = tl.max(flags, 1)
-        if tl.max(hit, 0) > 0:
+    """The forward's tiles that came out with a non-finite row (LSE NaN, from `_fwd_kernel` or the Gluon forward)
+    again, with non-finite V rows contained (`_fwd_tile` SAFE). In masked key blocks P is 0 on a key a row must not
+    see, but 0 * NaN = NaN: a later token's NaN or inf in V would reach every row of its block, earlier ones too. The
+    first pass does not look at V (no cost in its loop); its non-finite rows send their tiles here, and the rows that
+    do not see a non-finite V row come out with the bits they have without it. A persistent grid reads LSE [H_q, T_q]
+    in chunks of CH rows; a clean chunk costs one load."""
+    offs = tl.arange(0, CH)
+    n = H_q * T_q
+    for c in range(tl.program_id(0) * CH, n, tl.num_programs(0) * CH):
+        lse = tl.load(LSE + c + offs, mask=c + offs < n, other=0.0)
+        if tl.max(tl.where(lse == lse, 0, 1), 0) > 0:
+            done = -1  # the last tile run again (a tile's rows of one head are contiguous in LSE)
             for i in range(CH):
-                if tl.max(tl.where(offs_c == i, hit, 0), 0) > 0:
-                    _fwd_tile(Q, K, V, O, LSE, BAD, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, c + i, H_q, group,
-                              sqt, sqh, skt, skh, svt, svh, sot, soh, D, BM, BN, DIAG_ONLY, True, INTERPRET)
+                r = c + i
+                if r < n:
+                    if tl.load(LSE + r) != tl.load(LSE + r):
+                        h = r // T_q
+                        row = r - h * T_q
+                        # the segment holding the row: the last one whose start is <= row (empty ones share starts)
+                        lo = row * 0
+                        hi = lo + n_seg
+                        for _ in range(n_iter):
+                            mid = (lo + hi) // 2
+                            go = tl.load(CU_Q + mid) <= row
+                            lo = tl.where(go, mid, lo)
+                            hi = tl.where(go, hi, mid)
+                        first = tl.load(TS + lo)
+                        n_tiles = tl.load(TS + lo + 1) - first
+                        pid = (first + n_tiles - 1 - (row - tl.load(CU_Q + lo)) // BM) * H_q + h  # heaviest first
+                        if pid != done:
+                            _fwd_tile(Q, K, V, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, pid, H_q, group,
+                                      sqt, sqh, skt, skh, svt, svh, sot, soh, D, BM, BN, DIAG_ONLY, True, INTERPRET)
+                            done = pid
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -36,7 +36,6 @@ except ImportError:  # a triton without Gluon: the Triton kernels everywhere
 OP = SPEC.name
 DEFAULT_SCALE = HEAD_DIM ** -0.5
 SCRATCH_ROLE = (OP, "bwd_scratch")
-FLAGS_ROLE = (OP, "fwd_flags")  # the forward's non-finite-row flags, read by its second pass
 
 
 @functools.lru_cache(maxsize=256)
@@ -182,8 +181,7 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     buf = torch.empty(3 * varlen.bounds_buffer(B + 1), dtype=torch.int32, device=q.device)
     cu_q, cu_k, ts = _prefix(cu_q, cu_k, T_q, k.shape[0], buf, c["BM"])
     n_prog = upper * H_q
-    bad = workspace.take(FLAGS_ROLE, n_prog * c["BM"], device=q.device).view(torch.int8)  # every entry is written
-    runtime = dict(O=out, LSE=lse, BAD=bad, CU_Q=cu_q, CU_K=cu_k, TS=ts, sm_scale=float(scale), T_q=T_q, n_seg=B,
+    runtime = dict(O=out, LSE=lse, CU_Q=cu_q, CU_K=cu_k, TS=ts, sm_scale=float(scale), T_q=T_q, n_seg=B,
                    n_iter=B.bit_length(), H_q=H_q, group=H_q // H_kv, sot=out.stride(0), soh=out.stride(1))
     sqt, sqh = _strides(q)
     skt, skh = _strides(k)
@@ -200,10 +198,9 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
                D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
     else:
         launch(K._fwd_kernel, (n_prog,), **runtime, **strided)
-    # tiles with a non-finite row, again with non-finite V rows kept from the rows that mask their key out
+    # tiles with a non-finite row (LSE NaN), again with non-finite V rows kept from the rows that mask their key out
     ch = configs.FIX_CHUNK
-    launch(K._fwd_fix_kernel, (min(cdiv(n_prog, ch), _fix_programs(q.device)),), **runtime, n_prog=n_prog, **strided,
-           CH=ch)
+    launch(K._fwd_fix_kernel, (min(cdiv(H_q * T_q, ch), _fix_programs(q.device)),), **runtime, **strided, CH=ch)
     return out, lse
 
 
@@ -213,7 +210,7 @@ def _sm_count(index: int) -> int:
 
 
 def _fix_programs(device: torch.device) -> int:
-    """Programs of the second forward pass: one per SM (a persistent grid: a clean tile costs one flag read)."""
+    """Programs of the second forward pass: one per SM (a persistent grid: a clean chunk of LSE costs one load)."""
     if device.type != "cuda":
         return configs.FIX_PROGRAMS_OFF_GPU
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
