@@ -39,3 +39,30 @@ def record_cu_seqlens_checks(monkeypatch) -> list:
         return real(name, cu, T, **kw)
     monkeypatch.setattr(checks, "check_cu_seqlens", spy)
     return seen
+
+
+def assert_nonfinite_as_in_reference(run, reference, inp: dict, name: str, value: float, tokens) -> None:
+    """For each token t of `tokens`: `inp` with input `name` set to `value` at [0, t, 0, ...] (batch 0, token t, the
+    first entry of every further dim). `run(x)` and `reference(x)` give (o [B, T, HV, V], final state [N, HV, ...]);
+    the reference is a per-token recurrence, so a token reaches only itself and what comes after it. Ours must be
+    non-finite in exactly the (token, head) rows of o and the (sequence, head) states where the reference is, and
+    every row and state that the reference leaves bit for bit as without the change must keep the bits of
+    `run(inp)`."""
+    import torch
+
+    o0, ht0 = run(inp)
+    ro0, rht0 = reference(inp)
+    for t in tokens:
+        x = dict(inp)
+        x[name] = inp[name].clone()
+        x[name][(0, t) + (0,) * (x[name].dim() - 2)] = value
+        o, ht = run(x)
+        ro, rht = reference(x)
+        bad, ref_bad = ~torch.isfinite(o[0]).all(-1), ~torch.isfinite(ro[0]).all(-1).to(o.device)  # [T, HV]
+        same = (ro[0] == ro0[0]).all(-1).to(o.device)  # rows the change does not reach
+        assert (~same).any() and torch.equal(bad, ref_bad), (name, t, bad.nonzero().tolist()[:6])
+        assert torch.equal(o[0][same], o0[0][same]), (name, t)
+        flat, rflat = ht.flatten(2), rht.flatten(2)
+        bad_s, ref_bad_s = ~torch.isfinite(flat).all(-1), ~torch.isfinite(rflat).all(-1).to(o.device)  # [N, HV]
+        same_s = (rflat == rht0.flatten(2)).all(-1).to(o.device)
+        assert torch.equal(bad_s, ref_bad_s) and torch.equal(flat[same_s], ht0.flatten(2)[same_s]), (name, t)

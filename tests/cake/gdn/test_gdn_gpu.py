@@ -14,6 +14,7 @@ import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
 from tests._paths import ROOT
+from tests.cake._helpers import assert_nonfinite_as_in_reference
 
 pytestmark = pytest.mark.gpu
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
@@ -136,6 +137,27 @@ def test_no_host_sync(case):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
+def test_nonfinite_token_reaches_only_later_rows(name, value):
+    """At the real head dims: a NaN or an inf in q, k, v, g or beta at one token in the middle of a chunk (a document
+    shorter than a chunk, the second chunk of a longer one, a document of exactly one chunk) makes o and the final
+    states non-finite exactly where the FP64 per-token recurrence is, and leaves every other row's bits alone."""
+    inp = demo_mod.make_inputs([40, 300, 64], 2, 4, K, V, "cuda", seed=7, l2=True)
+
+    def run(x):
+        return gdn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"])
+
+    def ref(x):
+        reference = importlib.import_module("miles_ext_kernels.cake._impl.gdn.reference")
+        return reference.gdn_reference(*(x[n].double() for n in ("q", "k", "v", "g", "beta")),
+                                       initial_state=x["h0"].double(), output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"])
+
+    assert_nonfinite_as_in_reference(run, ref, inp, name, value, (20, 40 + 64 + 30, 340 + 31))
 
 
 def test_batch_without_cu_seqlens_no_l2():

@@ -196,6 +196,48 @@ def test_variants_configured():
     assert torch.equal(a[2], c[2])
 
 
+def _seen_by(lens_q, lens_k, doc, j, hq):
+    """[T_q, H_q] (rows of the pack): the query rows of document `doc` that see its key j (j <= i + L_k - L_q)."""
+    T_q = sum(lens_q)
+    seen = torch.zeros(T_q, hq, dtype=torch.bool)
+    q0, L_q, L_k = sum(lens_q[:doc]), lens_q[doc], lens_k[doc]
+    seen[q0:q0 + L_q] = (j <= torch.arange(L_q) + (L_k - L_q))[:, None]
+    return seen
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", ["v", "k", "q"])
+def test_nonfinite_token_reaches_only_the_rows_that_see_it(name, value):
+    """A NaN or an inf in q, k or v at one token (in the middle of a tile, inside a causal-diagonal key block; in the
+    first document of a pack and in the second, which has more keys than queries) reaches only the rows that see it
+    (q: its own row and head): every other row, earlier rows of its document included, and the other document keep
+    the bits of the run without it (any finite value there gives those bits). The rows that see it are non-finite: a
+    non-finite v row in each of them; for q and k where the FP64 reference is (an infinite score of -inf is a
+    weight of 0). LSE does not depend on v."""
+    lens_q, lens_k = [37, 29], [37, 35]
+    q, k, v, _, cq, ck = _inputs(lens_q, lens_k, 2, 1, seed=14)
+    scale = D ** -0.5
+    out0, lse0 = ops.gqa_forward(q, k, v, cq, ck, scale)
+    for doc, j in ((0, 8), (1, 20), (1, 2)):
+        x = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+        row = (sum(lens_q[:doc]) if name == "q" else sum(lens_k[:doc])) + j
+        x[name][row, 0, 5] = value
+        out, lse = ops.gqa_forward(x["q"], x["k"], x["v"], cq, ck, scale)
+        if name == "q":
+            seen = torch.zeros(q.shape[:2], dtype=torch.bool)
+            seen[row, 0] = True
+        else:
+            seen = _seen_by(lens_q, lens_k, doc, j, q.shape[1])
+        bad = ~torch.isfinite(out).all(-1)  # [T_q, H_q]
+        assert not bad[~seen].any(), (doc, bad.nonzero().tolist())
+        assert torch.equal(out[~seen], out0[~seen]) and torch.equal(lse.T[~seen], lse0.T[~seen]), doc
+        if name == "v":
+            assert bad[seen].all() and torch.equal(lse, lse0), doc
+        else:
+            ref_out, _ = reference.varlen_gqa_reference(x["q"], x["k"], x["v"], cq, ck, scale)
+            assert torch.equal(bad, ~torch.isfinite(ref_out).all(-1)), doc
+
+
 def test_check_seqlens_option():
     q, k, v, do, cq, ck = _inputs([10, 12], [10, 12], 2, 1, seed=11)
     mek.configure(gqa_check_seqlens=True)
@@ -333,12 +375,13 @@ def test_gluon_forward_route_condition():
 
 def test_routes_are_the_launchers_launches():
     """routes() runs the launchers on meta tensors (interpreter table here: the Triton kernels): the tile prefix for
-    int32 and int64 boundaries, the forward, the dQ pass, the dK/dV pass in both PAIR settings; all distinct."""
+    int32 and int64 boundaries, the forward and its second pass, the dQ pass, the dK/dV pass in both PAIR settings;
+    all distinct."""
     rs = ops.routes()
     labels = [r.label for r in rs]
-    assert len(labels) == len(set(labels)) == 6, labels
+    assert len(labels) == len(set(labels)) == 7, labels
     assert sorted(lab.split("[")[0] for lab in labels) == sorted(
-        ["tile_prefix_kernel"] * 2 + ["_fwd_kernel", "_bwd_dq_kernel"] + ["_bwd_dkdv_kernel"] * 2)
+        ["tile_prefix_kernel"] * 2 + ["_fwd_kernel", "_fwd_fix_kernel", "_bwd_dq_kernel"] + ["_bwd_dkdv_kernel"] * 2)
     with pytest.raises(TypeError, match="no model parameters"):
         ops.routes(head_dim=256)
 

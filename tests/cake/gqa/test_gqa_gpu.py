@@ -234,6 +234,66 @@ def test_gluon_forward_matches_triton_forward_bits(monkeypatch):
         monkeypatch.undo()
 
 
+def _seen_by(lens_q, lens_k, doc, j, hq, heads):
+    """[T_q, H_q]: the rows of document `doc` that see its key j (j <= i + L_k - L_q), in the query heads `heads`."""
+    seen = torch.zeros(sum(lens_q), hq, dtype=torch.bool)
+    q0, L_q, L_k = sum(lens_q[:doc]), lens_q[doc], lens_k[doc]
+    seen[q0:q0 + L_q, heads] = (j <= torch.arange(L_q) + (L_k - L_q))[:, None]
+    return seen.cuda()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", ["v", "k", "q"])
+def test_nonfinite_token_reaches_only_the_rows_that_see_it(name, value):
+    """A NaN or an inf in q, k or v at one token reaches only the rows that see it, on the Gluon forward and on the
+    Triton one (a head stride other than D): every other row, earlier rows of its document and block included, and
+    the other documents and kv head keep the bits of the run without it; the rows that see it are non-finite (v:
+    each one; q, k: where the FP64 reference is); v leaves LSE as it was. Tokens on a warpgroup's diagonal key block
+    (document 0, key 212: rows 192-211 of the tile's second warpgroup mask it out), in a document with 33 more keys
+    than queries (a warpgroup with two masked key blocks; and at its key 5, which document 0's last key block reads by
+    TMA), and in the last document's diagonal block, with NaN in the padding rows past the last document as well
+    (read by TMA, zeroed before P V)."""
+    from miles_ext_kernels.cake._impl.gqa import ops
+
+    lens_q, lens_k, hq, hkv = [300, 200, 129], [300, 233, 129], 6, 2
+    q, k, v, _, cq, ck = _inputs(lens_q, lens_k, hq, hkv, pad_q=40, pad_k=40, seed=26)
+    for t, n in ((q, sum(lens_q)), (k, sum(lens_k)), (v, sum(lens_k))):
+        t[n:] = float("nan")
+    T = sum(lens_q)
+
+    def routes(x):
+        wide = torch.zeros(q.shape[0], hq, 2 * D, dtype=BF, device="cuda")
+        wide[:, :, :D] = x["q"]
+        assert ops._gluon_fwd_fits(x["q"], x["k"], x["v"]) and not ops._gluon_fwd_fits(wide[:, :, :D], k, v)
+        return [(out[:T], lse[:, :T]) for out, lse in (ops.gqa_forward(x["q"], x["k"], x["v"], cq, ck, SCALE),
+                                                       ops.gqa_forward(wide[:, :, :D], x["k"], x["v"], cq, ck, SCALE))]
+
+    clean = routes({"q": q, "k": k, "v": v})
+    for doc, j in ((0, 212), (1, 100), (1, 5), (2, 100)):
+        x = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+        row = (sum(lens_q[:doc]) if name == "q" else sum(lens_k[:doc])) + j
+        x[name][row, 1, 77] = value  # query head 1, or kv head 1 (query heads 3-5)
+        if name == "q":
+            seen = torch.zeros(T, hq, dtype=torch.bool, device="cuda")
+            seen[row, 1] = True
+        else:
+            seen = _seen_by(lens_q, lens_k, doc, j, hq, slice(3, 6))
+        got = routes(x)
+        ref_bad = None
+        if name != "v":
+            ref_out, _ = reference.varlen_gqa_reference(x["q"], x["k"], x["v"], cq, ck, SCALE)
+            ref_bad = ~torch.isfinite(ref_out[:T]).all(-1)
+        for (out, lse), (out0, lse0) in zip(got, clean):
+            bad = ~torch.isfinite(out).all(-1)
+            assert not bad[~seen].any(), (doc, bad.nonzero().tolist()[:8])
+            assert torch.equal(out[~seen], out0[~seen]) and torch.equal(lse.T[~seen], lse0.T[~seen]), doc
+            if name == "v":
+                assert bad[seen].all() and torch.equal(lse, lse0), doc
+            else:
+                assert torch.equal(bad, ref_bad), doc
+        assert torch.equal(torch.isfinite(got[0][0]), torch.isfinite(got[1][0]))  # both routes: the same entries
+
+
 class _Launches:
     """Stands in for a kernel in `kernel[grid](...)` and counts the launches."""
 

@@ -6,7 +6,7 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
-from tests.cake._helpers import record_cu_seqlens_checks
+from tests.cake._helpers import assert_nonfinite_as_in_reference, record_cu_seqlens_checks
 
 pytestmark = pytest.mark.interpreter
 
@@ -165,6 +165,39 @@ def test_strong_and_mild_decays(case):
     for n in ours:
         assert torch.isfinite(ours[n]).all(), n
     _check_all(ours, ref, BUDGETS[case])
+
+
+def _nonfinite_case(name, value, gate, seed):
+    reference = importlib.import_module("miles_ext_kernels.cake._impl.kda.reference")
+    inp = demo_mod.make_inputs([70, 50], 1, 2, 16, 16, "cpu", gate=gate, trans=gate == "safe", seed=seed)
+
+    def run(x):
+        return kda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], A_log=x["A_log"],
+                             dt_bias=x["dt_bias"], **demo_mod._kwargs(x, True, True, True))
+
+    def ref(x):
+        return reference.kda_reference(*(x[n].double() for n in ("q", "k", "v", "g", "beta")),
+                                       initial_state=x["h0"].double(), A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                       **demo_mod._kwargs(x, True, True, True))
+
+    assert_nonfinite_as_in_reference(run, ref, inp, name, value, (20, 70 + 30))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
+def test_nonfinite_token_reaches_only_later_rows(name, value):
+    """A NaN or an inf in q, k, v, g (the raw gate of the safe in-kernel gate: +inf saturates it, a finite decay) or
+    beta at one token in the middle of a chunk (of a document spanning two chunks, and of the second document) makes
+    o and the final states non-finite exactly where the FP64 per-token recurrence is, never at an earlier row of its
+    chunk (the in-chunk products with causally masked matrices would spread it through 0 * NaN = NaN) nor in the
+    other document; every row the change does not reach keeps its bits."""
+    _nonfinite_case(name, value, "safe", 7)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nonfinite_pre_gated_decay_reaches_only_later_rows(value):
+    """The same for a pre-gated log decay g (no in-kernel gate): NaN or +inf at one token and key dimension."""
+    _nonfinite_case("g", value, "pre", 8)
 
 
 def test_torch_compile_fullgraph_traces():

@@ -15,6 +15,7 @@ import torch
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
 from tests._paths import ROOT
+from tests.cake._helpers import assert_nonfinite_as_in_reference
 
 pytestmark = pytest.mark.gpu
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.kda.demo")
@@ -186,6 +187,28 @@ def test_no_host_sync(case):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
+def test_nonfinite_token_reaches_only_later_rows(name, value):
+    """At the real head dims, Kimi-K3's call (safe gate, [V, K] states): a NaN or an inf in q, k, v, the raw gate g or
+    beta at one token in the middle of a chunk (a document shorter than a chunk, the second chunk of a longer one, a
+    document of exactly one chunk) makes o and the final states non-finite exactly where the FP64 per-token
+    recurrence is, and every row the change does not reach keeps its bits."""
+    reference = importlib.import_module("miles_ext_kernels.cake._impl.kda.reference")
+    inp = demo_mod.make_inputs([40, 300, 64], 2, 4, K, V, "cuda", seed=9, gate="safe", trans=True, l2=True)
+
+    def run(x):
+        return kda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], A_log=x["A_log"],
+                             dt_bias=x["dt_bias"], **demo_mod._kwargs(x, True, True, True))
+
+    def ref(x):
+        return reference.kda_reference(*(x[n].double() for n in ("q", "k", "v", "g", "beta")),
+                                       initial_state=x["h0"].double(), A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                       **demo_mod._kwargs(x, True, True, True))
+
+    assert_nonfinite_as_in_reference(run, ref, inp, name, value, (20, 40 + 64 + 30, 340 + 31))
 
 
 def test_batch_without_cu_seqlens_no_l2():

@@ -1,8 +1,9 @@
 """The gate-independent kernels and helpers of the chunked delta rule, shared by gdn (a scalar gate per token and
-head) and kda (a gate per key dimension): the interpreter-safe product and rounding helpers, the L2 norm of q and k,
-the inverse of a unit lower-triangular 16 x 16 block, the store of an A block, and the last backward kernel (the sum
-of the per-value-head dq / dk over the value heads of each key head, in a fixed order, then back through the L2
-norm). Moved here from gdn's kernels without a character changed, so gdn's compiled code is what it was.
+head) and kda (a gate per key dimension): the interpreter-safe product and rounding helpers, the guard that keeps a
+later token's NaN or inf out of earlier rows of a causal product (`_finite_rows`, `_nan_rows`), the L2 norm of q and
+k, the inverse of a unit lower-triangular 16 x 16 block, the store of an A block, and the last backward kernel (the
+sum of the per-value-head dq / dk over the value heads of each key head, in a fixed order, then back through the L2
+norm).
 
 Interpreter (CPU tests): bf16 arithmetic is broken there, so elementwise math runs on fp32 values, `_dot` converts its
 (bf16-rounded) operands to fp32 under the INTERPRET flag, and `_rnd` rounds to nearest even where the interpreter's
@@ -44,6 +45,33 @@ def _rnd(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _dot32(a, b):
     return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _finite_rows(x, first, row0, xc=None):
+    """The right operand x of a product C = M x with M lower triangular (causal), its rows that hold a NaN or an inf
+    zeroed; and `first` lowered to the first such row (x's rows numbered from row0). Unzeroed, such a row j would
+    reach every row of C through M's zeros above the diagonal (0 * NaN = 0 * inf = NaN), rows i < j included. Row i
+    of C depends on x's rows <= i only, so C's rows before `first` are exact; `_nan_rows` marks the rest. The common
+    case costs one sum (0 * x is 0 for a finite x: the sum is NaN iff x holds a NaN or an inf), of xc where given:
+    the fp32 values x was rounded from (they die at the rounding; a value within 0.2 % of fp32's max that the
+    rounding takes to inf is then not seen)."""
+    if xc is None:
+        xc = x
+    first = tl.zeros([], dtype=tl.int32) + first
+    if tl.sum(xc.to(tl.float32) * 0., axis=None) != 0.:
+        bad = tl.sum(x.to(tl.float32) * 0., 1) != 0.
+        rows = row0 + tl.arange(0, x.shape[0])
+        first = tl.minimum(first, tl.min(tl.where(bad, rows, 2 ** 30), 0))
+        x = tl.where(bad[:, None], tl.zeros_like(x), x)
+    return x, first
+
+
+@triton.jit
+def _nan_rows(x, first, row0):
+    """x with its rows (numbered from row0) from `first` on set to NaN (`_finite_rows`)."""
+    rows = row0 + tl.arange(0, x.shape[0])
+    return tl.where((rows >= first)[:, None], float("nan"), x)
 
 
 @triton.jit

@@ -19,6 +19,15 @@ Rows past a document's end are loaded as zeros, but their G as the document's la
 cumsum of g = 0): an exp(G_i - G_j) over a pair of rows never has a positive argument, which a strong decay
 (G_j < -88.7) would overflow into inf and 0 * inf into a NaN that a matmul spreads to every row of the chunk.
 
+A NaN or an inf at token j must not reach the rows i < j of its chunk. The in-chunk products with a causally masked
+(lower-triangular) matrix, M x with M = L's blocks inside the inverse, A (for w, u) and tril(q k^T D) (for o), would
+carry it there through M's zeros (0 * NaN = NaN): each such right operand has its non-finite rows zeroed and the
+first such row noted (`common._finite_rows`; inline over L's row blocks in the prep), and the product's rows from
+that row on are set to NaN. Products
+that contract over the key dimension or act on a row's own data, and the state (which sums over the chunk), need
+nothing: rows from j on, and later chunks through the state, come out non-finite as in exact arithmetic. The common
+case costs one sum of 0 * x per operand tile.
+
 No kernel transposes a `tl.dot` result: every transposed operand is loaded transposed from memory (triton 3.4 -
 3.7.0 miscompile `tl.trans` of a wgmma result fed to another dot on Hopper). No atomics: every sum has one fixed
 order, so the results repeat bit for bit.
@@ -34,7 +43,9 @@ from ..delta_rule import common
 from ..delta_rule.common import (  # noqa: F401 - still names of this module after the move
     _dot,
     _dot32,
+    _finite_rows,
     _inv_unit_lower,
+    _nan_rows,
     _rnd,
     _store_a,
     bwd_final_kernel,
@@ -123,6 +134,31 @@ def fwd_prep_kernel(k, g, beta, se, table, gc, A, H, HV, K: tl.constexpr, BT: tl
     L30 = _l_block(k3, k0, g3, g0, b3, False, INTERPRET)
     L31 = _l_block(k3, k1, g3, g1, b3, False, INTERPRET)
     L32 = _l_block(k3, k2, g3, g2, b3, False, INTERPRET)
+    # a non-finite entry of L (row i: tokens <= i) would spread to earlier rows of A through the products' zeros
+    # (`common._finite_rows`): A from L's finite rows, and A's rows from L's first non-finite row on are NaN
+    f = tl.zeros([], dtype=tl.int32) + BT
+    e3 = L30 * 0. + L31 * 0. + L32 * 0. + L33 * 0.  # 0 * NaN = 0 * inf = NaN: a sum is NaN iff a term holds one
+    e2 = L20 * 0. + L21 * 0. + L22 * 0.
+    e1 = L10 * 0. + L11 * 0.
+    e0 = L00 * 0.
+    if tl.sum(e0 + e1 + e2 + e3, axis=None) != 0.:
+        bad0 = tl.sum(e0, 1) != 0.
+        bad1 = tl.sum(e1, 1) != 0.
+        bad2 = tl.sum(e2, 1) != 0.
+        bad3 = tl.sum(e3, 1) != 0.
+        o16 = tl.arange(0, 16)
+        f = tl.min(tl.minimum(tl.minimum(tl.where(bad0, o16, BT), tl.where(bad1, o16 + 16, BT)),
+                              tl.minimum(tl.where(bad2, o16 + 32, BT), tl.where(bad3, o16 + 48, BT))), 0)
+        L00 = tl.where(bad0[:, None], 0., L00)
+        L10 = tl.where(bad1[:, None], 0., L10)
+        L11 = tl.where(bad1[:, None], 0., L11)
+        L20 = tl.where(bad2[:, None], 0., L20)
+        L21 = tl.where(bad2[:, None], 0., L21)
+        L22 = tl.where(bad2[:, None], 0., L22)
+        L30 = tl.where(bad3[:, None], 0., L30)
+        L31 = tl.where(bad3[:, None], 0., L31)
+        L32 = tl.where(bad3[:, None], 0., L32)
+        L33 = tl.where(bad3[:, None], 0., L33)
 
     A00 = _inv_unit_lower(L00)
     A11 = _inv_unit_lower(L11)
@@ -136,18 +172,35 @@ def fwd_prep_kernel(k, g, beta, se, table, gc, A, H, HV, K: tl.constexpr, BT: tl
     A30 = -_dot32(A33, _dot32(L30, A00) + _dot32(L31, A10) + _dot32(L32, A20))
 
     z = tl.zeros([16, 16], dtype=tl.float32)
+    z0 = z
+    z1 = z
+    z2 = z
+    if f < BT:
+        A00 = _nan_rows(A00, f, 0)
+        z0 = _nan_rows(z, f, 0)
+        A10 = _nan_rows(A10, f, 16)
+        A11 = _nan_rows(A11, f, 16)
+        z1 = _nan_rows(z, f, 16)
+        A20 = _nan_rows(A20, f, 32)
+        A21 = _nan_rows(A21, f, 32)
+        A22 = _nan_rows(A22, f, 32)
+        z2 = _nan_rows(z, f, 32)
+        A30 = _nan_rows(A30, f, 48)
+        A31 = _nan_rows(A31, f, 48)
+        A32 = _nan_rows(A32, f, 48)
+        A33 = _nan_rows(A33, f, 48)
     _store_a(A, r0, m0, hv, HV, 0, A00, BT, INTERPRET)
-    _store_a(A, r0, m0, hv, HV, 16, z, BT, INTERPRET)
-    _store_a(A, r0, m0, hv, HV, 32, z, BT, INTERPRET)
-    _store_a(A, r0, m0, hv, HV, 48, z, BT, INTERPRET)
+    _store_a(A, r0, m0, hv, HV, 16, z0, BT, INTERPRET)
+    _store_a(A, r0, m0, hv, HV, 32, z0, BT, INTERPRET)
+    _store_a(A, r0, m0, hv, HV, 48, z0, BT, INTERPRET)
     _store_a(A, r1, m1, hv, HV, 0, A10, BT, INTERPRET)
     _store_a(A, r1, m1, hv, HV, 16, A11, BT, INTERPRET)
-    _store_a(A, r1, m1, hv, HV, 32, z, BT, INTERPRET)
-    _store_a(A, r1, m1, hv, HV, 48, z, BT, INTERPRET)
+    _store_a(A, r1, m1, hv, HV, 32, z1, BT, INTERPRET)
+    _store_a(A, r1, m1, hv, HV, 48, z1, BT, INTERPRET)
     _store_a(A, r2, m2, hv, HV, 0, A20, BT, INTERPRET)
     _store_a(A, r2, m2, hv, HV, 16, A21, BT, INTERPRET)
     _store_a(A, r2, m2, hv, HV, 32, A22, BT, INTERPRET)
-    _store_a(A, r2, m2, hv, HV, 48, z, BT, INTERPRET)
+    _store_a(A, r2, m2, hv, HV, 48, z2, BT, INTERPRET)
     _store_a(A, r3, m3, hv, HV, 0, A30, BT, INTERPRET)
     _store_a(A, r3, m3, hv, HV, 16, A31, BT, INTERPRET)
     _store_a(A, r3, m3, hv, HV, 32, A32, BT, INTERPRET)
@@ -174,12 +227,20 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V:
     b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
     b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
-    b_x = _rnd((b_k * (b_b * tl.exp(b_gc))[:, None]), DT, INTERPRET)
+    # A is lower triangular: a non-finite row of X or Y is zeroed for the product, and the rows of w / u from it on
+    # are NaN (`_finite_rows`)
+    b_x = b_k * (b_b * tl.exp(b_gc))[:, None]
+    b_x, fx = _finite_rows(_rnd(b_x, DT, INTERPRET), BT, 0, b_x)
     b_w = _dot(b_A, b_x, INTERPRET)
+    if fx < BT:
+        b_w = _nan_rows(b_w, fx, 0)
     tl.store(w + rows[:, None] * (HV * K) + hv * K + o_k[None, :], _rnd(b_w, DT, INTERPRET), mask=m[:, None])
     b_v = tl.load(v + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
-    b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
+    b_y = b_v * b_b[:, None]
+    b_y, fy = _finite_rows(_rnd(b_y, DT, INTERPRET), BT, 0, b_y)
     b_u = _dot(b_A, b_y, INTERPRET)
+    if fy < BT:
+        b_u = _nan_rows(b_u, fy, 0)
     tl.store(u + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_u, DT, INTERPRET), mask=m[:, None])
 
 
@@ -260,7 +321,11 @@ def fwd_o_kernel(q, k, vn, gc, h, se, table, o, scale, H, HV, K: tl.constexpr, V
     msk = o_t[:, None] >= o_t[None, :]
     b_s = tl.where(msk, b_s * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
     b_vn = tl.load(vn + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
+    # the masked product: a non-finite row of dlt is zeroed for it, and o's rows from it on are NaN (`_finite_rows`)
+    b_vn, fv = _finite_rows(b_vn, BT, 0)
     b_o += _dot(_rnd(b_s, DT, INTERPRET), b_vn, INTERPRET)
+    if fv < BT:
+        b_o = _nan_rows(b_o, fv, 0)
     tl.store(o + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_o, o.dtype.element_ty, INTERPRET),
              mask=m[:, None])
 

@@ -36,6 +36,10 @@ CONFIGS = {
     },
 }
 
+# the forward's second pass (kernels._fwd_fix_kernel): FIX_CHUNK rows of LSE per read, one program per SM
+# (FIX_PROGRAMS_OFF_GPU where there is none: the interpreter, meta tensors)
+FIX_CHUNK = 2048
+FIX_PROGRAMS_OFF_GPU = 2
 SCHEDULE_MAX_WAVES = 12  # "auto" orders are modelled only up to this many dK/dV programs per SM
 # PAIR "auto" pairs only where the model's makespan drops below this fraction: the paired kernel spills a little
 # more, so a small predicted gain measured none (bench/NOTES.md, gqa: PAIR)

@@ -20,6 +20,8 @@ first: `kernels._tile_prefix_kernel` numbers them). Warp-specialized, three part
   causal / length mask sets their scores to -inf, and V rows past the segment are zeroed in shared memory before
   P V, since 0 * (NaN or inf padding) would not be 0. Only a segment's last key block crosses the end, and
   warpgroup 1 always runs it: warpgroup 1 zeroes the rows and signals an mbarrier that warpgroup 0 waits on.
+- The rows that come out non-finite get LSE NaN, which sends their tile to `kernels._fwd_fix_kernel`: it runs the
+  tile again keeping a later key's non-finite V row from the rows that mask it out (the loop does not look at V).
 Requires at least one query and one key, heads contiguous within a token row (head stride = head dim) and rows that do
 not overlap (`ops._gluon_fwd_fits`); other operands take the Triton kernel (16-byte alignment is ensured for both
 routes by `ops._ready`, which copies misaligned operands). Gluon has no interpreter: CPU tests run the Triton kernel.
@@ -140,9 +142,14 @@ def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: 
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, pb))[0]
             mbarrier.arrive(v_empty.index(stage), count=1)
 
+    # a row sum is non-finite iff a term is (or finite terms overflow it: a needless second pass, same result)
+    fin = gl.convert_layout(gl.abs(gl.sum(acc, 1)) < float("inf"), gl.SliceLayout(1, s_layout))
     empty = l_i == 0.0  # rows that see no key: out 0, LSE -inf
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    # a non-finite row gets LSE NaN: kernels._fwd_fix_kernel runs the tile again, keeping a later key's non-finite V
+    # row from the rows that mask it out (P = 0 there, but 0 * NaN = NaN), and rewrites out and LSE
+    lse = gl.where(fin, lse, float("nan"))
     out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
     # this warpgroup's Q half is free (its last S has completed): stage the output there
     q_tile.store(out)
@@ -160,8 +167,9 @@ def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: 
 @gluon.jit(do_not_specialize=_RUNTIME)
 def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, H_q, group,
                sot, soh, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
-    """Out and LSE of one BM-row query tile of one segment and one query head. `num_warps` = 4 is the default
-    partition (warpgroup 0); the CTA has 12 warps: warpgroup 1 and the loader warp's warpgroup."""
+    """Out and LSE of one BM-row query tile of one segment and one query head; LSE NaN marks a row that came out
+    non-finite (as `kernels._fwd_kernel`'s). `num_warps` = 4 is the default partition (warpgroup 0); the CTA has 12
+    warps: warpgroup 1 and the loader warp's warpgroup."""
     ROWS: gl.constexpr = BM // 2
     pid = gl.program_id(0)
     h = pid % H_q

@@ -10,6 +10,14 @@ Causal alignment is bottom-right per segment: query i of a segment with L_q quer
 j <= i + (L_k - L_q). Each kernel runs ONE loop over blocks and computes the causal mask only for blocks on the
 diagonal (a scalar branch): on triton 3.6 a second, unmasked loop doubled the pipeline's shared memory or spilled.
 
+Non-finite V: in a masked key block P is 0 on the keys a row must not see, but 0 * NaN = 0 * inf = NaN, so a NaN or
+an inf in V's row of a later key would reach every row of the block through P V, earlier rows included. The forward
+(`_fwd_kernel`, or the Gluon one) does not look at V for it (its loop is unchanged); it gives the rows that came out
+non-finite LSE NaN, and `_fwd_fix_kernel` (a persistent grid over LSE, launched after it) runs their tiles again
+with V's non-finite entries zeroed in the masked blocks and the rows that see one set to NaN, rewriting out and
+LSE. Rows that do not see a non-finite V row then have the bits they have without it; K needs nothing (its scores
+are masked with a select).
+
 Backward: `_bwd_dq_kernel` (per query tile and head, key blocks in order; also writes delta = rowsum(dO * O)), then
 `_bwd_dkdv_kernel` (per key tile and kv head, the group's query heads in a fixed order). With S_ROWS the dK/dV
 kernel computes S = Q K^T with 128 query rows as M (both warpgroups busy; a 64-row M is replicated across them)
@@ -64,8 +72,20 @@ def _find_tile(TS, CU_A, CU_B, t, n_seg, n_iter, REVERSE: tl.constexpr):
 # ------------------------------------------------------------------------------------------------------------------
 # forward
 @triton.jit
-def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
-               BN: tl.constexpr, MASK: tl.constexpr, DIAG_ONLY: tl.constexpr, INTERPRET: tl.constexpr):
+def _finite_v(v, keep, nan_i):
+    """V of a masked key block with its non-finite entries zeroed, and nan_i (0, or NaN for a row that must be NaN)
+    with the rows that see such a V row (`keep` [BM, BN]) set to NaN. A non-finite V row in P V would otherwise reach
+    every row of the block, the rows that mask its key out too (P = 0 there, and 0 * NaN = 0 * inf = NaN)."""
+    fin = tl.abs(v.to(tl.float32)) < float("inf")
+    bad_n = tl.max(tl.where(fin, 0, 1), 1)  # [BN]: the key's V row holds a NaN or an inf
+    hit = tl.max(tl.where(keep, bad_n[None, :], 0), 1)  # [BM]: the row sees such a key
+    return tl.where(fin, v, 0.0), tl.where(hit > 0, float("nan"), nan_i)
+
+
+@triton.jit
+def _fwd_block(acc, l_i, m_i, nan_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
+               BN: tl.constexpr, MASK: tl.constexpr, DIAG_ONLY: tl.constexpr, SAFE: tl.constexpr,
+               INTERPRET: tl.constexpr):
     if MASK:
         kvalid = (n + offs_n) < L_k
         k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
@@ -81,6 +101,8 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, 
         if (n + BN > m0 + offset + 1) or (not DIAG_ONLY):  # DIAG_ONLY: mask only blocks on the diagonal
             keep = ((n + offs_n)[None, :] <= (m0 + offs_m)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
             s = tl.where(keep, s, float("-inf"))
+            if SAFE:
+                v, nan_i = _finite_v(v, keep, nan_i)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
@@ -93,7 +115,60 @@ def _fwd_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, 
     if INTERPRET:
         pc = pc.to(tl.float32)
     acc = tl.dot(pc, v, acc * alpha[:, None])
-    return acc, l_i, m_new
+    return acc, l_i, m_new, nan_i
+
+
+@triton.jit
+def _fwd_tile(Q, K, V, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, pid, H_q, group,
+              sqt, sqh, skt, skh, svt, svh, sot, soh, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              DIAG_ONLY: tl.constexpr, SAFE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Out and LSE of program pid's query tile and head (pid < the tile count times H_q). Not SAFE: a row that came
+    out non-finite gets LSE NaN, the mark `_fwd_fix_kernel` looks for (it runs the tile again and rewrites its LSE).
+    SAFE: V's non-finite entries are zeroed in the masked key blocks and the rows that see one are NaN
+    (`_finite_v`)."""
+    h = pid % H_q
+    t = pid // H_q
+    hk = h // group
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    local, q0, L_q, k0, L_k = _find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)
+    m0 = local * BM
+    offset = L_k - L_q
+    qk_scale = sm_scale * LOG2E
+    rvalid = (m0 + offs_m) < L_q
+    q_ptrs = Q + (q0 + m0).to(tl.int64) * sqt + h * sqh + (offs_m[:, None] * sqt + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=rvalid[:, None], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+    kbase = K + k0.to(tl.int64) * skt + hk * skh
+    vbase = V + k0.to(tl.int64) * svt + hk * svh
+    kT_ptrs = kbase + (offs_n[:, None] * skt + offs_d[None, :])
+    v_ptrs = vbase + (offs_n[:, None] * svt + offs_d[None, :])
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    nan_i = tl.zeros([BM], dtype=tl.float32)  # SAFE: NaN where the row sees a key whose V row is not finite
+    hi = tl.maximum(tl.minimum(L_k, m0 + BM + offset), 0)
+    # one masked loop: on triton 3.6 a second (unmasked) loop doubles the shared memory or spills registers
+    for n in range(0, hi, BN):
+        acc, l_i, m_i, nan_i = _fwd_block(acc, l_i, m_i, nan_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset,
+                                          L_k, qk_scale, BN, True, DIAG_ONLY, SAFE, INTERPRET)
+        kT_ptrs += BN * skt
+        v_ptrs += BN * svt
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    if SAFE:
+        out = acc / (l_safe + nan_i)[:, None]
+    else:
+        out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    if not SAFE:
+        # a row sum is non-finite iff a term is (or finite terms overflow it: a needless second pass, same result)
+        lse = tl.where(tl.abs(tl.sum(out, 1)) < float("inf"), lse, float("nan"))
+    o_ptrs = O + (q0 + m0).to(tl.int64) * sot + h * soh + (offs_m[:, None] * sot + offs_d[None, :])
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=rvalid[:, None])
+    tl.store(LSE + h.to(tl.int64) * T_q + q0 + m0 + offs_m, lse, mask=rvalid)
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
@@ -102,52 +177,64 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
                 sqt, sqh, skt, skh, svt, svh, sot, soh,
                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DIAG_ONLY: tl.constexpr,
                 INTERPRET: tl.constexpr):
+    """Out and LSE of one query tile and head; LSE NaN marks a row that came out non-finite (`_fwd_tile`)."""
     pid = tl.program_id(0)
     h = pid % H_q
     t = pid // H_q
-    hk = h // group
     total = tl.load(TS + n_seg)
-    offs_m = tl.arange(0, BM)
-    offs_n = tl.arange(0, BN)
-    offs_d = tl.arange(0, D)
     if t >= total:
         # padding rows past cu_seqlens_q[-1]: out 0, LSE -inf
+        offs_m = tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
         rows = tl.load(CU_Q + n_seg) + (t - total) * BM + offs_m
         rmask = rows < T_q
         o_ptrs = O + rows.to(tl.int64)[:, None] * sot + h * soh + offs_d[None, :]
         tl.store(o_ptrs, tl.zeros([BM, D], dtype=O.dtype.element_ty), mask=rmask[:, None])
         tl.store(LSE + h.to(tl.int64) * T_q + rows, tl.full([BM], float("-inf"), tl.float32), mask=rmask)
     else:
-        local, q0, L_q, k0, L_k = _find_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, True)
-        m0 = local * BM
-        offset = L_k - L_q
-        qk_scale = sm_scale * LOG2E
-        rvalid = (m0 + offs_m) < L_q
-        q_ptrs = Q + (q0 + m0).to(tl.int64) * sqt + h * sqh + (offs_m[:, None] * sqt + offs_d[None, :])
-        q = tl.load(q_ptrs, mask=rvalid[:, None], other=0.0)
-        if INTERPRET:
-            q = q.to(tl.float32)
-        kbase = K + k0.to(tl.int64) * skt + hk * skh
-        vbase = V + k0.to(tl.int64) * svt + hk * svh
-        kT_ptrs = kbase + (offs_n[:, None] * skt + offs_d[None, :])
-        v_ptrs = vbase + (offs_n[:, None] * svt + offs_d[None, :])
-        acc = tl.zeros([BM, D], dtype=tl.float32)
-        l_i = tl.zeros([BM], dtype=tl.float32)
-        m_i = tl.full([BM], float("-inf"), tl.float32)
-        hi = tl.maximum(tl.minimum(L_k, m0 + BM + offset), 0)
-        # one masked loop: on triton 3.6 a second (unmasked) loop doubles the shared memory or spills registers
-        for n in range(0, hi, BN):
-            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, kT_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k,
-                                       qk_scale, BN, True, DIAG_ONLY, INTERPRET)
-            kT_ptrs += BN * skt
-            v_ptrs += BN * svt
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-        o_ptrs = O + (q0 + m0).to(tl.int64) * sot + h * soh + (offs_m[:, None] * sot + offs_d[None, :])
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=rvalid[:, None])
-        tl.store(LSE + h.to(tl.int64) * T_q + q0 + m0 + offs_m, lse, mask=rvalid)
+        _fwd_tile(Q, K, V, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, pid, H_q, group, sqt, sqh, skt, skh,
+                  svt, svh, sot, soh, D, BM, BN, DIAG_ONLY, False, INTERPRET)
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _fwd_fix_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
+                    sm_scale, T_q, n_seg, n_iter, H_q, group,
+                    sqt, sqh, skt, skh, svt, svh, sot, soh,
+                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DIAG_ONLY: tl.constexpr,
+                    CH: tl.constexpr, INTERPRET: tl.constexpr):
+    """The forward's tiles that came out with a non-finite row (LSE NaN, from `_fwd_kernel` or the Gluon forward)
+    again, with non-finite V rows contained (`_fwd_tile` SAFE). In masked key blocks P is 0 on a key a row must not
+    see, but 0 * NaN = NaN: a later token's NaN or inf in V would reach every row of its block, earlier ones too. The
+    first pass does not look at V (no cost in its loop); its non-finite rows send their tiles here, and the rows that
+    do not see a non-finite V row come out with the bits they have without it. A persistent grid reads LSE [H_q, T_q]
+    in chunks of CH rows; a clean chunk costs one load."""
+    offs = tl.arange(0, CH)
+    n = H_q * T_q
+    for c in range(tl.program_id(0) * CH, n, tl.num_programs(0) * CH):
+        lse = tl.load(LSE + c + offs, mask=c + offs < n, other=0.0)
+        if tl.max(tl.where(lse == lse, 0, 1), 0) > 0:
+            done = -1  # the last tile run again (a tile's rows of one head are contiguous in LSE)
+            for i in range(CH):
+                r = c + i
+                if r < n:
+                    if tl.load(LSE + r) != tl.load(LSE + r):
+                        h = r // T_q
+                        row = r - h * T_q
+                        # the segment holding the row: the last one whose start is <= row (empty ones share starts)
+                        lo = row * 0
+                        hi = lo + n_seg
+                        for _ in range(n_iter):
+                            mid = (lo + hi) // 2
+                            go = tl.load(CU_Q + mid) <= row
+                            lo = tl.where(go, mid, lo)
+                            hi = tl.where(go, hi, mid)
+                        first = tl.load(TS + lo)
+                        n_tiles = tl.load(TS + lo + 1) - first
+                        pid = (first + n_tiles - 1 - (row - tl.load(CU_Q + lo)) // BM) * H_q + h  # heaviest first
+                        if pid != done:
+                            _fwd_tile(Q, K, V, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, pid, H_q, group,
+                                      sqt, sqh, skt, skh, svt, svh, sot, soh, D, BM, BN, DIAG_ONLY, True, INTERPRET)
+                            done = pid
 
 
 # ------------------------------------------------------------------------------------------------------------------

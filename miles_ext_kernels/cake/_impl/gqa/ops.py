@@ -180,23 +180,40 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
         return out, lse
     buf = torch.empty(3 * varlen.bounds_buffer(B + 1), dtype=torch.int32, device=q.device)
     cu_q, cu_k, ts = _prefix(cu_q, cu_k, T_q, k.shape[0], buf, c["BM"])
-    runtime = dict(CU_Q=cu_q, CU_K=cu_k, TS=ts, sm_scale=float(scale), T_q=T_q, n_seg=B, n_iter=B.bit_length(),
-                   H_q=H_q, group=H_q // H_kv, sot=out.stride(0), soh=out.stride(1))
-    cg = cfg.get("fwd_gluon")
-    if cg is not None and G is not None and not INTERPRET and _gluon_fwd_fits(q, k, v):
-        assert cg["BM"] == c["BM"]  # the tile prefix above counts tiles of BM rows
-        rows = cg["BM"] // 2  # Q and the output move in the two warpgroups' halves of the tile
-        launch(G.fwd_kernel, (upper * H_q,), q_desc=_gluon_desc(q, rows), k_desc=_gluon_desc(k, cg["BN"]),
-               v_desc=_gluon_desc(v, cg["BN"]), o_desc=_gluon_desc(out, rows), O=out, LSE=lse, **runtime,
-               D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
-        return out, lse
+    n_prog = upper * H_q
+    runtime = dict(O=out, LSE=lse, CU_Q=cu_q, CU_K=cu_k, TS=ts, sm_scale=float(scale), T_q=T_q, n_seg=B,
+                   n_iter=B.bit_length(), H_q=H_q, group=H_q // H_kv, sot=out.stride(0), soh=out.stride(1))
     sqt, sqh = _strides(q)
     skt, skh = _strides(k)
     svt, svh = _strides(v)
-    launch(K._fwd_kernel, (upper * H_q,), Q=q, K=k, V=v, O=out, LSE=lse, **runtime, sqt=sqt, sqh=sqh, skt=skt,
-           skh=skh, svt=svt, svh=svh, D=D, BM=c["BM"], BN=c["BN"], DIAG_ONLY=c.get("DIAG_ONLY", False),
-           INTERPRET=INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    strided = dict(Q=q, K=k, V=v, sqt=sqt, sqh=sqh, skt=skt, skh=skh, svt=svt, svh=svh, D=D, BM=c["BM"], BN=c["BN"],
+                   DIAG_ONLY=c.get("DIAG_ONLY", False), INTERPRET=INTERPRET, num_warps=c["num_warps"],
+                   num_stages=c["num_stages"])
+    cg = cfg.get("fwd_gluon")
+    if cg is not None and G is not None and not INTERPRET and _gluon_fwd_fits(q, k, v):
+        assert cg["BM"] == c["BM"] and cg["BN"] == c["BN"]  # the tile prefix and the second pass count these tiles
+        rows = cg["BM"] // 2  # Q and the output move in the two warpgroups' halves of the tile
+        launch(G.fwd_kernel, (n_prog,), q_desc=_gluon_desc(q, rows), k_desc=_gluon_desc(k, cg["BN"]),
+               v_desc=_gluon_desc(v, cg["BN"]), o_desc=_gluon_desc(out, rows), **runtime,
+               D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
+    else:
+        launch(K._fwd_kernel, (n_prog,), **runtime, **strided)
+    # tiles with a non-finite row (LSE NaN), again with non-finite V rows kept from the rows that mask their key out
+    ch = configs.FIX_CHUNK
+    launch(K._fwd_fix_kernel, (min(cdiv(H_q * T_q, ch), _fix_programs(q.device)),), **runtime, **strided, CH=ch)
     return out, lse
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _fix_programs(device: torch.device) -> int:
+    """Programs of the second forward pass: one per SM (a persistent grid: a clean chunk of LSE costs one load)."""
+    if device.type != "cuda":
+        return configs.FIX_PROGRAMS_OFF_GPU
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _align(n: int) -> int:

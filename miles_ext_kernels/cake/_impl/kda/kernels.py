@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ..delta_rule import common
-from ..delta_rule.common import _dot, _dot32, _inv_unit_lower, _rnd
+from ..delta_rule.common import _dot, _dot32, _finite_rows, _inv_unit_lower, _nan_rows, _rnd
 
 BT = common.BT  # chunk length
 G_FLOOR = common.G_FLOOR
@@ -236,7 +236,10 @@ def fwd_prep_kernel(q, k, g, A_log, dt_bias, beta, se, table, gc, A, Aqk, scale,
     sq, sk = _gated_grams(b_q, b_k, b_gc, gc, hv * K, HV * K, o_k, t0, eos, BT, DT, INTERPRET)
     a_off = rows[:, None] * (HV * BT) + hv * BT + o_t[None, :]
     tl.store(Aqk + a_off, _rnd(sq * scale, Aqk.dtype.element_ty, INTERPRET), mask=m[:, None])
-    blk = tl.reshape(tl.permute(tl.reshape(sk * b_b[:, None], [4, 16, 4, 16]), (1, 3, 0, 2)), [16, 16, 2, 2, 2, 2])
+    # a non-finite entry of L (row i: tokens <= i) would spread to earlier rows of A through the block products'
+    # zeros: A from L's finite rows, and A's rows from L's first non-finite row on are NaN (`_finite_rows`)
+    b_l, f = _finite_rows(sk * b_b[:, None], BT, 0)
+    blk = tl.reshape(tl.permute(tl.reshape(b_l, [4, 16, 4, 16]), (1, 3, 0, 2)), [16, 16, 2, 2, 2, 2])
     c0, c1 = tl.split(blk)  # the block-column index b = 2 b1 + b0: b0 = 0, 1
     c00, c10 = tl.split(c0)  # b = 0, 2
     c01, c11 = tl.split(c1)  # b = 1, 3
@@ -260,6 +263,8 @@ def fwd_prep_kernel(q, k, g, A_log, dt_bias, beta, se, table, gc, A, Aqk, scale,
     cols = tl.join(tl.join(_join4(A00, A10, A20, A30), _join4(z, z, A22, A32)),  # block columns 0 and 2
                    tl.join(_join4(z, A11, A21, A31), _join4(z, z, z, A33)))  # 1 and 3
     full = tl.reshape(tl.permute(tl.reshape(cols, [16, 16, 4, 4]), (2, 0, 3, 1)), [BT, BT])
+    if f < BT:
+        full = _nan_rows(full, f, 0)
     tl.store(A + a_off, _rnd(full, A.dtype.element_ty, INTERPRET), mask=m[:, None])
 
 
@@ -286,12 +291,20 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V:
     b_gc = tl.load(gc + rows[:, None] * (HV * K) + hv * K + o_k[None, :], mask=m[:, None], other=0.)
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
     b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
-    b_x = _rnd((b_k * (b_b[:, None] * tl.exp(b_gc))), DT, INTERPRET)
+    # A is lower triangular: a non-finite row of X or Y is zeroed for the product, and the rows of w / u from it on
+    # are NaN (`_finite_rows`)
+    b_x = b_k * (b_b[:, None] * tl.exp(b_gc))
+    b_x, fx = _finite_rows(_rnd(b_x, DT, INTERPRET), BT, 0, b_x)
     b_w = _dot(b_A, b_x, INTERPRET)
+    if fx < BT:
+        b_w = _nan_rows(b_w, fx, 0)
     tl.store(w + rows[:, None] * (HV * K) + hv * K + o_k[None, :], _rnd(b_w, DT, INTERPRET), mask=m[:, None])
     b_v = tl.load(v + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
-    b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
+    b_y = b_v * b_b[:, None]
+    b_y, fy = _finite_rows(_rnd(b_y, DT, INTERPRET), BT, 0, b_y)
     b_u = _dot(b_A, b_y, INTERPRET)
+    if fy < BT:
+        b_u = _nan_rows(b_u, fy, 0)
     tl.store(u + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_u, DT, INTERPRET), mask=m[:, None])
 
 
@@ -384,7 +397,11 @@ def fwd_o_kernel(q, gc, Aqk, vn, h, se, table, o, scale, H, HV, K: tl.constexpr,
     b_o = _dot(b_qg, b_h, INTERPRET) * scale
     b_a = tl.load(Aqk + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.)
     b_vn = tl.load(vn + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
+    # Aqk is lower triangular: a non-finite row of dlt is zeroed for the product, o's rows from it on are NaN
+    b_vn, fv = _finite_rows(b_vn, BT, 0)
     b_o += _dot(b_a, b_vn, INTERPRET)
+    if fv < BT:
+        b_o = _nan_rows(b_o, fv, 0)
     tl.store(o + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_o, o.dtype.element_ty, INTERPRET),
              mask=m[:, None])
 
