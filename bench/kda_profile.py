@@ -1,0 +1,40 @@
+"""Per-kernel device time of kda fwd + bwd at 4 x 32768 tokens, H = HV = 32, K = V = 128, safe gate, L2 norm, [V, K]
+states (torch.profiler, 5 steps after 3 warm-up steps; run from the repository root on a GPU)."""
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, "bench")
+import kda as B  # bench/kda.py: make()
+
+import miles_ext_kernels as mek
+from miles_ext_kernels.cake import kda
+
+mek.configure(kda_variant="det")
+p = dict(H=32, HV=32, K=128, V=128, gate="safe", trans=True, lens=[32768] * 4)
+x = B.make(p)
+leaves = [x[n].requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
+
+
+def step():
+    o, ht = kda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+                          use_qk_l2norm_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                          transpose_state_layout=True, cu_seqlens=x["cu"], use_gate_in_kernel=True, safe_gate=True,
+                          lower_bound=-5.0)
+    torch.autograd.backward((o, ht), (x["do"], x["dht"]))
+    for t in leaves:
+        t.grad = None
+
+
+for _ in range(3):
+    step()
+torch.cuda.synchronize()
+N = 5
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(N):
+        step()
+    torch.cuda.synchronize()
+rows = [(e.key, e.device_time_total / N / 1e3, e.count // N) for e in prof.key_averages() if e.device_time_total > 0]
+for name, ms, calls in sorted(rows, key=lambda r: -r[1])[:20]:
+    print(f"{ms:9.3f} ms/step  x{calls:<3d} {name[:90]}")
