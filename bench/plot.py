@@ -53,8 +53,18 @@ def _legacy_rows(doc: dict) -> list[dict]:
     return rows
 
 
+def _model_rows(doc: dict) -> list[dict]:
+    """bench/model.py's rows (one per stack: a whole forward + backward step) in the harness's layout."""
+    cfg = doc.get("config", {})
+    shape = f"{cfg.get('layers')} layers, {cfg.get('tokens')} tokens"
+    return [{"op": "model", "shape": shape, "provider": r["stack"], "mode": "full", "synced_ms": r.get("step ms"),
+             "device_ms": r.get("device ms")} for r in doc["rows"]]
+
+
 def rows_of(doc: dict) -> list[dict]:
     """The rows of a results document in the harness's layout, whichever layout it was written in."""
+    if doc.get("bench") == "model":
+        return _model_rows(doc)
     return doc["rows"] if doc.get("format", 1) >= 2 else _legacy_rows(doc)
 
 
