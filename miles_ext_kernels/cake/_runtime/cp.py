@@ -150,6 +150,8 @@ class CPContext:
     _cache: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self):
+        if self.device.type == "cuda" and self.device.index is None:  # compare equal to the tensors' "cuda:i"
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.pieces = self.all_pieces[self.rank]
         cu = [0]
         for p in self.pieces:
