@@ -97,6 +97,18 @@ def _store_a(A, rows, m, hv, HV, col: tl.constexpr, blk, BT: tl.constexpr, INTER
 
 
 
+
+@triton.jit
+def _causal_store(b_A, b_x, out, rows, m, hv, HV, o, D: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """out = A x on a chunk's rows ([T, HV, D] layout), A lower triangular and x fp32: x rounded to DT, its
+    non-finite rows zeroed for the product and out's rows from the first of them on NaN (`_finite_rows`)."""
+    b_xr, f = _finite_rows(_rnd(b_x, DT, INTERPRET), BT, 0, b_x)
+    b_o = _dot(b_A, b_xr, INTERPRET)
+    if f < BT:
+        b_o = _nan_rows(b_o, f, 0)
+    tl.store(out + rows[:, None] * (HV * D) + hv * D + o[None, :], _rnd(b_o, DT, INTERPRET), mask=m[:, None])
+
 # ----------------------------------------------------------------------------------------------------------------
 # The sequential state kernels (forward h, reverse dh): one program per (sequence, value head) on grid axis 0 (the
 # unbounded one) and BV-wide slice of V on axis 1, looping over the sequence's chunks. gdn's and kda's differ in the

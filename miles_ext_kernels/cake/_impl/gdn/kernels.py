@@ -41,6 +41,7 @@ import triton.language as tl
 # the gate-independent kernels and helpers live in the delta-rule core shared with kda (moved unchanged)
 from ..delta_rule import common
 from ..delta_rule.common import (  # noqa: F401 - still names of this module after the move
+    _causal_store,
     _dot,
     _dot32,
     _finite_rows,
@@ -231,20 +232,11 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V:
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
     b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
     # A is lower triangular: a non-finite row of X or Y is zeroed for the product, and the rows of w / u from it on
-    # are NaN (`_finite_rows`)
+    # are NaN (`_causal_store`)
     b_x = b_k * (b_b * tl.exp(b_gc))[:, None]
-    b_x, fx = _finite_rows(_rnd(b_x, DT, INTERPRET), BT, 0, b_x)
-    b_w = _dot(b_A, b_x, INTERPRET)
-    if fx < BT:
-        b_w = _nan_rows(b_w, fx, 0)
-    tl.store(w + rows[:, None] * (HV * K) + hv * K + o_k[None, :], _rnd(b_w, DT, INTERPRET), mask=m[:, None])
+    _causal_store(b_A, b_x, w, rows, m, hv, HV, o_k, K, BT, DT, INTERPRET)
     b_v = tl.load(v + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
-    b_y = b_v * b_b[:, None]
-    b_y, fy = _finite_rows(_rnd(b_y, DT, INTERPRET), BT, 0, b_y)
-    b_u = _dot(b_A, b_y, INTERPRET)
-    if fy < BT:
-        b_u = _nan_rows(b_u, fy, 0)
-    tl.store(u + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_u, DT, INTERPRET), mask=m[:, None])
+    _causal_store(b_A, b_v * b_b[:, None], u, rows, m, hv, HV, o_v, V, BT, DT, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
