@@ -95,23 +95,14 @@ def _build(args, out: Path) -> None:
 def _compare(ref: Path, tree: Path) -> bool:
     import sass as S
 
-    ia_, ib_ = (json.loads((d / "index.json").read_text()) for d in (ref, tree))
+    idx_a, idx_b = (json.loads((d / "index.json").read_text()) for d in (ref, tree))
     same = True
-    for label in sorted(set(ia_) | set(ib_)):
-        if label not in ia_ or label not in ib_:
-            print(f"  {label}: only in {'the ref' if label in ia_ else 'the tree'}")
+    for label in sorted(set(idx_a) | set(idx_b)):
+        if label not in idx_a or label not in idx_b:
+            print(f"  {label}: only in {'the ref' if label in idx_a else 'the tree'}")
             same = False
             continue
-        ta, tb = (ref / ia_[label]).read_text(), (tree / ib_[label]).read_text()
-        ia, ib = S.instructions(ta), S.instructions(tb)
-        if ia == ib:
-            print(f"  {label}: identical, {len(ia)} instructions{' (bit-identical)' if ta == tb else ''}")
-            continue
-        same = False
-        diff = [k for k in range(max(len(ia), len(ib))) if k >= min(len(ia), len(ib)) or ia[k] != ib[k]]
-        print(f"  {label}: DIFFERENT, {len(ia)} vs {len(ib)} instructions, {len(diff)} positions differ; first:")
-        for k in diff[:5]:
-            print(f"    {k:6d}: {ia[k] if k < len(ia) else '-'}  |  {ib[k] if k < len(ib) else '-'}")
+        same = S.report(label, (ref / idx_a[label]).read_text(), (tree / idx_b[label]).read_text()) and same
     return same
 
 
