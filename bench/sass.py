@@ -159,17 +159,21 @@ def compare(dir_a: Path, dir_b: Path) -> bool:
             print(f"  {label}: missing in {'a' if not a.exists() else 'b'}")
             same = False
             continue
-        ia, ib = instructions(a.read_text()), instructions(b.read_text())
-        bits = a.read_text() == b.read_text()
-        if ia == ib:
-            print(f"  {label}: identical, {len(ia)} instructions{' (bit-identical)' if bits else ''}")
-            continue
-        same = False
-        diff = [k for k in range(max(len(ia), len(ib))) if k >= min(len(ia), len(ib)) or ia[k] != ib[k]]
-        print(f"  {label}: DIFFERENT, {len(ia)} vs {len(ib)} instructions, {len(diff)} positions differ; first:")
-        for k in diff[:5]:
-            print(f"    {k:6d}: {ia[k] if k < len(ia) else '-'}  |  {ib[k] if k < len(ib) else '-'}")
+        same = report(label, a.read_text(), b.read_text()) and same
     return same
+
+
+def report(label: str, sass_a: str, sass_b: str) -> bool:
+    """Print whether the dump `sass_b` is identical to `sass_a` (`instructions`), else where they differ first."""
+    ia, ib = instructions(sass_a), instructions(sass_b)
+    if ia == ib:
+        print(f"  {label}: identical, {len(ia)} instructions{' (bit-identical)' if sass_a == sass_b else ''}")
+        return True
+    diff = [k for k in range(max(len(ia), len(ib))) if k >= min(len(ia), len(ib)) or ia[k] != ib[k]]
+    print(f"  {label}: DIFFERENT, {len(ia)} vs {len(ib)} instructions, {len(diff)} positions differ; first:")
+    for k in diff[:5]:
+        print(f"    {k:6d}: {ia[k] if k < len(ia) else '-'}  |  {ib[k] if k < len(ib) else '-'}")
+    return False
 
 
 def main() -> int:

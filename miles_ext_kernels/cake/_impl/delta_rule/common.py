@@ -1,9 +1,9 @@
 """The gate-independent kernels and helpers of the chunked delta rule, shared by gdn (a scalar gate per token and
 head) and kda (a gate per key dimension): the interpreter-safe product and rounding helpers, the guard that keeps a
 later token's NaN or inf out of earlier rows of a causal product (`_finite_rows`, `_nan_rows`), the L2 norm of q and
-k, the inverse of a unit lower-triangular 16 x 16 block, the store of an A block, and the last backward kernel (the
-sum of the per-value-head dq / dk over the value heads of each key head, in a fixed order, then back through the L2
-norm).
+k, the inverse of a unit lower-triangular 16 x 16 block, the store of an A block, the prologue and per-chunk state
+store of the sequential state kernels, and the last backward kernel (the sum of the per-value-head dq / dk over the
+value heads of each key head, in a fixed order, then back through the L2 norm).
 
 Interpreter (CPU tests): bf16 arithmetic is broken there, so elementwise math runs on fp32 values, `_dot` converts its
 (bf16-rounded) operands to fp32 under the INTERPRET flag, and `_rnd` rounds to nearest even where the interpreter's
@@ -94,6 +94,72 @@ def _store_a(A, rows, m, hv, HV, col: tl.constexpr, blk, BT: tl.constexpr, INTER
     o = tl.arange(0, 16)
     tl.store(A + rows[:, None] * (HV * BT) + hv * BT + col + o[None, :], _rnd(blk, A.dtype.element_ty, INTERPRET),
              mask=m[:, None])
+
+
+
+
+@triton.jit
+def _causal_store(b_A, b_x, out, rows, m, hv, HV, o, D: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """out = A x on a chunk's rows ([T, HV, D] layout), A lower triangular and x fp32: x rounded to DT, its
+    non-finite rows zeroed for the product and out's rows from the first of them on NaN (`_finite_rows`)."""
+    b_xr, f = _finite_rows(_rnd(b_x, DT, INTERPRET), BT, 0, b_x)
+    b_o = _dot(b_A, b_xr, INTERPRET)
+    if f < BT:
+        b_o = _nan_rows(b_o, f, 0)
+    tl.store(out + rows[:, None] * (HV * D) + hv * D + o[None, :], _rnd(b_o, DT, INTERPRET), mask=m[:, None])
+
+# ----------------------------------------------------------------------------------------------------------------
+# The sequential state kernels (forward h, reverse dh): one program per (sequence, value head) on grid axis 0 (the
+# unbounded one) and BV-wide slice of V on axis 1, looping over the sequence's chunks. gdn's and kda's differ in the
+# decay (a scalar or a [K] vector per token), not in their program ids, document bounds, state offsets, starting
+# state and per-chunk state store, which these helpers hold.
+@triton.jit
+def _seq_program(se, H, HV, BT: tl.constexpr):
+    """A state kernel's program: (its slice iv of V, sequence n, value head hv, key head hk, the document's bos and
+    eos, its chunk count, its first chunk slot). The aranges stay in the kernels: built here, they compile to other
+    code (the line info of an inlined helper's range splits ptxas's scheduling regions)."""
+    iv = tl.program_id(1)
+    pid = tl.program_id(0)
+    n = pid // HV
+    hv = pid % HV
+    hk = hv // (HV // H)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    nt = tl.cdiv(eos - bos, BT)
+    slot0 = bos // BT + n
+    return iv, n, hv, hk, bos, eos, nt, slot0
+
+
+@triton.jit
+def _state_offsets(n, hv, HV, o_k, o_v, K: tl.constexpr, V: tl.constexpr, TRANS_STATE: tl.constexpr):
+    """[K, BV] offsets of an initial / final state: [N, HV, K, V], or [N, HV, V, K] with TRANS_STATE."""
+    base = (n.to(tl.int64) * HV + hv) * (K * V)
+    if TRANS_STATE:
+        off = base + o_v[None, :] * K + o_k[:, None]
+    else:
+        off = base + o_k[:, None] * V + o_v[None, :]
+    return off
+
+
+@triton.jit
+def _state_start(s0, n, hv, HV, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, USE_S0: tl.constexpr,
+                 TRANS_STATE: tl.constexpr):
+    """The offsets of the program's state slice in an initial / final state (`_state_offsets`) and the slice's
+    starting value in fp32: s0's with USE_S0, else 0."""
+    st_off = _state_offsets(n, hv, HV, o_k, o_v, K, V, TRANS_STATE)
+    if USE_S0:
+        b_s = tl.load(s0 + st_off).to(tl.float32)
+    else:
+        b_s = tl.zeros([K, BV], dtype=tl.float32)
+    return st_off, b_s
+
+
+@triton.jit
+def _store_slot(h, slot, hv, HV, o_k, o_v, b_s, K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """A state slice, rounded to DT, into chunk slot `slot` of a per-chunk state array [P, HV, K, V]."""
+    tl.store(h + (slot * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :], _rnd(b_s, DT, INTERPRET))
 
 
 # ----------------------------------------------------------------------------------------------------------------

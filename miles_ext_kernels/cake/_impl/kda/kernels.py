@@ -56,7 +56,18 @@ import triton
 import triton.language as tl
 
 from ..delta_rule import common
-from ..delta_rule.common import _dot, _dot32, _finite_rows, _inv_unit_lower, _nan_rows, _rnd
+from ..delta_rule.common import (
+    _causal_store,
+    _dot,
+    _dot32,
+    _finite_rows,
+    _inv_unit_lower,
+    _nan_rows,
+    _rnd,
+    _seq_program,
+    _state_start,
+    _store_slot,
+)
 
 BT = common.BT  # chunk length
 G_FLOOR = common.G_FLOOR
@@ -292,31 +303,11 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V:
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
     b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
     # A is lower triangular: a non-finite row of X or Y is zeroed for the product, and the rows of w / u from it on
-    # are NaN (`_finite_rows`)
+    # are NaN (`_causal_store`)
     b_x = b_k * (b_b[:, None] * tl.exp(b_gc))
-    b_x, fx = _finite_rows(_rnd(b_x, DT, INTERPRET), BT, 0, b_x)
-    b_w = _dot(b_A, b_x, INTERPRET)
-    if fx < BT:
-        b_w = _nan_rows(b_w, fx, 0)
-    tl.store(w + rows[:, None] * (HV * K) + hv * K + o_k[None, :], _rnd(b_w, DT, INTERPRET), mask=m[:, None])
+    _causal_store(b_A, b_x, w, rows, m, hv, HV, o_k, K, BT, DT, INTERPRET)
     b_v = tl.load(v + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
-    b_y = b_v * b_b[:, None]
-    b_y, fy = _finite_rows(_rnd(b_y, DT, INTERPRET), BT, 0, b_y)
-    b_u = _dot(b_A, b_y, INTERPRET)
-    if fy < BT:
-        b_u = _nan_rows(b_u, fy, 0)
-    tl.store(u + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_u, DT, INTERPRET), mask=m[:, None])
-
-
-@triton.jit
-def _state_offsets(n, hv, HV, o_k, o_v, K: tl.constexpr, V: tl.constexpr, TRANS_STATE: tl.constexpr):
-    """[K, BV] offsets of an initial / final state: [N, HV, K, V], or [N, HV, V, K] with TRANS_STATE."""
-    base = (n.to(tl.int64) * HV + hv) * (K * V)
-    if TRANS_STATE:
-        off = base + o_v[None, :] * K + o_k[:, None]
-    else:
-        off = base + o_k[:, None] * V + o_v[None, :]
-    return off
+    _causal_store(b_A, b_v * b_b[:, None], u, rows, m, hv, HV, o_v, V, BT, DT, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
@@ -325,31 +316,18 @@ def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.c
                  STORE_H: tl.constexpr, VU: tl.constexpr, INTERPRET: tl.constexpr):
     """The inter-chunk state recurrence of one sequence and value head (a BV-wide slice of V). STORE_H off: only
     the final state (context parallelism's extra pass). u holds the first VU of the V columns (the rest read 0)."""
-    iv = tl.program_id(1)
-    pid = tl.program_id(0)  # (sequence, value head) on the unbounded grid axis
-    n = pid // HV
-    hv = pid % HV
-    hk = hv // (HV // H)
+    iv, n, hv, hk, bos, eos, nt, slot0 = _seq_program(se, H, HV, BT)
     DT = k.dtype.element_ty
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
-    nt = tl.cdiv(eos - bos, BT)
-    slot0 = bos // BT + n
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = iv * BV + tl.arange(0, BV)
-    st_off = _state_offsets(n, hv, HV, o_k, o_v, K, V, TRANS_STATE)
-    if USE_H0:
-        b_h = tl.load(h0 + st_off).to(tl.float32)
-    else:
-        b_h = tl.zeros([K, BV], dtype=tl.float32)
+    st_off, b_h = _state_start(h0, n, hv, HV, o_k, o_v, K, V, BV, USE_H0, TRANS_STATE)
     for ic in range(0, nt):
         t0 = bos + ic * BT
         rows = t0 + o_t
         m = rows < eos
-        slot = slot0 + ic
         if STORE_H:
-            tl.store(h + (slot * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :], _rnd(b_h, DT, INTERPRET))
+            _store_slot(h, slot0 + ic, hv, HV, o_k, o_v, b_h, K, V, DT, INTERPRET)
         b_w = tl.load(w + rows[:, None] * (HV * K) + hv * K + o_k[None, :], mask=m[:, None], other=0.)
         if VU == V:
             b_u = tl.load(u + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
@@ -436,31 +414,18 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: 
                   TRANS_STATE: tl.constexpr, INTERPRET: tl.constexpr):
     """Reverse state recurrence: dhe[slot] = d(state at the chunk end); dd = full d(dlt) (dvl, its in-chunk part
     from bwd_dvl_kernel, plus the state's); dh0."""
-    iv = tl.program_id(1)
-    pid = tl.program_id(0)  # (sequence, value head) on the unbounded grid axis
-    n = pid // HV
-    hv = pid % HV
-    hk = hv // (HV // H)
+    iv, n, hv, hk, bos, eos, nt, slot0 = _seq_program(se, H, HV, BT)
     DT = q.dtype.element_ty
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
-    nt = tl.cdiv(eos - bos, BT)
-    slot0 = bos // BT + n
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = iv * BV + tl.arange(0, BV)
-    st_off = _state_offsets(n, hv, HV, o_k, o_v, K, V, TRANS_STATE)
-    if USE_DHT:
-        b_dh = tl.load(dht + st_off).to(tl.float32)
-    else:
-        b_dh = tl.zeros([K, BV], dtype=tl.float32)
+    st_off, b_dh = _state_start(dht, n, hv, HV, o_k, o_v, K, V, BV, USE_DHT, TRANS_STATE)
     for j in range(0, nt):
         ic = nt - 1 - j
         t0 = bos + ic * BT
         rows = t0 + o_t
         m = rows < eos
-        slot = slot0 + ic
-        tl.store(dhe + (slot * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :], _rnd(b_dh, DT, INTERPRET))
+        _store_slot(dhe, slot0 + ic, hv, HV, o_k, o_v, b_dh, K, V, DT, INTERPRET)
         last = tl.minimum(t0 + BT, eos) - 1
         g_last = tl.load(gc + last * (HV * K) + hv * K + o_k)
         b_gc = tl.load(gc + rows[:, None] * (HV * K) + hv * K + o_k[None, :], mask=m[:, None], other=0.)
