@@ -297,6 +297,31 @@ class CPContext:
         return self.comm.all_gather(x)
 
 
+def check_call(op: str, cp, name: str, x, *, token_dim: int, given=(), unserved=()) -> None:
+    """The rules of an op's call with `cp_context` (ValueError / TypeError naming the argument, before any launch):
+    cp a CPContext; the arguments the context supplies (`given`: (name, value) pairs) and those CP does not serve
+    (`unserved`) left None / False; x (argument `name`) the rank's tokens along `token_dim` (B = 1 before it), on the
+    context's device."""
+    if not isinstance(cp, CPContext):
+        raise TypeError(f"{op}: cp_context must come from cake.build_cp_context, got {type(cp).__name__}")
+    for arg, value in given:
+        if value is not None:
+            also = [n for n, _ in given]
+            rest = f": pass neither {' nor '.join(also)}" if len(also) > 1 else ""
+            raise ValueError(f"{op}: pass {arg} or cp_context, not both (the context holds the rank's documents"
+                             f"{rest})")
+    for arg, value in unserved:
+        if value is not None and value is not False:
+            raise ValueError(f"{op}: {arg} is not served with cp_context")
+    if isinstance(x, torch.Tensor):
+        want = (1,) * token_dim + (cp.num_tokens,)
+        if x.dim() <= token_dim or tuple(x.shape[:token_dim + 1]) != want:
+            raise ValueError(f"{op}: with cp_context {name} must be [{', '.join(map(str, want))}, ...] (this rank's "
+                             f"tokens), got {tuple(x.shape)}")
+        if x.device != cp.device:
+            raise ValueError(f"{op}: cp_context was built for {cp.device}, {name} is on {x.device}")
+
+
 def _padded(rows: list, device) -> torch.Tensor:
     L = max([len(r) for r in rows] + [1])
     out = torch.full((len(rows), L, 2), -1, dtype=torch.int64)

@@ -17,7 +17,8 @@ import torch
 
 from miles_ext_kernels.cake._runtime import build, checks, config, workspace
 from miles_ext_kernels.cake._runtime.autograd import KernelOp
-from miles_ext_kernels.cake._runtime.cp import CPContext, stage_function
+from miles_ext_kernels.cake._runtime.cp import check_call as check_cp_call
+from miles_ext_kernels.cake._runtime.cp import stage_function
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
 from miles_ext_kernels.cake._runtime.operands import operand
 from miles_ext_kernels.cake.conv1d import OP as SPEC
@@ -176,15 +177,7 @@ def causal_conv1d(x, weight, *, cu_seqlens=None, activation="silu", initial_stat
 
 # ------------------------------------------------------------------------------------------ context parallelism
 def _check_cp(cp, x, weight, cu_seqlens, initial_state) -> None:
-    if not isinstance(cp, CPContext):
-        raise TypeError(f"conv1d: cp_context must come from cake.build_cp_context, got {type(cp).__name__}")
-    if cu_seqlens is not None or initial_state is not None:
-        raise ValueError("conv1d: with cp_context, cu_seqlens and initial_state come from the context: pass neither")
-    if isinstance(x, torch.Tensor) and (x.dim() != 2 or x.shape[0] != cp.num_tokens):
-        raise ValueError(f"conv1d: with cp_context x must be [{cp.num_tokens}, D] (this rank's tokens), got "
-                         f"{tuple(x.shape)}")
-    if isinstance(x, torch.Tensor) and x.device != cp.device:
-        raise ValueError(f"conv1d: cp_context was built for {cp.device}, x is on {x.device}")
+    check_cp_call(OP, cp, "x", x, token_dim=0, given=(("cu_seqlens", cu_seqlens), ("initial_state", initial_state)))
     W = weight.shape[-1] if isinstance(weight, torch.Tensor) else None
     if cp.conv1d_kernel_size is not None and W is not None and W != cp.conv1d_kernel_size:
         raise ValueError(f"conv1d: weight has width {W}, the CP context was built for conv1d_kernel_size="

@@ -117,23 +117,6 @@ def outgoing_grads(cp, se: torch.Tensor, gathered_fwd: torch.Tensor, HV: int, K:
     return dht
 
 
-def check_call(op: str, cp, q, cu_seqlens, initial_state, output_final_state) -> None:
-    """The arguments a CP call may not combine with its context (ValueError / TypeError before any launch)."""
-    from miles_ext_kernels.cake._runtime.cp import CPContext
-
-    if not isinstance(cp, CPContext):
-        raise TypeError(f"{op}: cp_context must come from cake.build_cp_context, got {type(cp).__name__}")
-    if cu_seqlens is not None:
-        raise ValueError(f"{op}: pass cu_seqlens or cp_context, not both (the context holds the rank's documents)")
-    if initial_state is not None or output_final_state:
-        raise ValueError(f"{op}: initial_state and output_final_state are not served with cp_context")
-    if isinstance(q, torch.Tensor) and q.dim() >= 2 and (q.shape[0] != 1 or q.shape[1] != cp.num_tokens):
-        raise ValueError(f"{op}: with cp_context q must be [1, {cp.num_tokens}, ...] (this rank's tokens), got "
-                         f"{tuple(q.shape)}")
-    if isinstance(q, torch.Tensor) and q.device != cp.device:
-        raise ValueError(f"{op}: cp_context was built for {cp.device}, q is on {q.device}")
-
-
 def route_plans(device="meta") -> list:
     """CP plans whose simulated ranks launch every CP specialization (an op's routes() runs them on meta tensors):
     one exporting / importing piece per rank (the narrow state tiles), and 40 per rank (the wide ones)."""

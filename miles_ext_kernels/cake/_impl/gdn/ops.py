@@ -19,6 +19,7 @@ import torch
 from miles_ext_kernels.cake._runtime import build, checks, config
 from miles_ext_kernels.cake._runtime.autograd import KernelOp
 from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
+from miles_ext_kernels.cake._runtime.cp import check_call as check_cp_call
 from miles_ext_kernels.cake._runtime.cp import simulate, stage_function
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
 from miles_ext_kernels.cake.gdn import HEAD_DIMS  # the declaration owns the served head dims
@@ -367,7 +368,8 @@ GDN = KernelOp(OP, forward=gdn_forward, forward_fake=_forward_fake, setup=_setup
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, cp_context=None):
     if cp_context is not None:
-        cp_core.check_call(OP, cp_context, q, cu_seqlens, initial_state, output_final_state)
+        check_cp_call(OP, cp_context, "q", q, token_dim=1, given=(("cu_seqlens", cu_seqlens),),
+                      unserved=(("initial_state", initial_state), ("output_final_state", output_final_state)))
         cu_seqlens = cp_context.cu_seqlens
     _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     if cu_seqlens is not None and cp_context is None and config.option(OP, "check_seqlens"):

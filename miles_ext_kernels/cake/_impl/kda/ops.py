@@ -22,6 +22,7 @@ import torch
 from miles_ext_kernels.cake._runtime import build, checks, config
 from miles_ext_kernels.cake._runtime.autograd import KernelOp
 from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
+from miles_ext_kernels.cake._runtime.cp import check_call as check_cp_call
 from miles_ext_kernels.cake._runtime.cp import simulate, stage_function
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
 from miles_ext_kernels.cake.kda import HEAD_DIMS, SAFE_LOWER_BOUND  # the declaration owns what is served
@@ -410,7 +411,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False,
               lower_bound=None, transpose_state_layout=False, cu_seqlens=None, cp_context=None):
     if cp_context is not None:
-        cp_core.check_call(OP, cp_context, q, cu_seqlens, initial_state, output_final_state)
+        check_cp_call(OP, cp_context, "q", q, token_dim=1, given=(("cu_seqlens", cu_seqlens),),
+                      unserved=(("initial_state", initial_state), ("output_final_state", output_final_state)))
         cu_seqlens = cp_context.cu_seqlens
     gate = _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                   use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound, transpose_state_layout, cu_seqlens,
