@@ -107,6 +107,35 @@ def gdn_call(pkg, x):
     return [o, ht, *torch.autograd.grad((o, ht), leaves, (x["do"], x["dht"]))]
 
 
+def kda_cases():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import kda as bench_kda
+
+    return bench_kda.shapes(quick=True)  # both models at 16 x 2048
+
+
+def kda_inputs(p):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import kda as bench_kda
+
+    return dict(bench_kda.make(p), _p=p)
+
+
+def kda_call(pkg, x):
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import kda as bench_kda
+
+    mod = importlib.import_module(pkg + ".cake.kda")
+    p = x["_p"]
+    leaves = [x[n].clone().requires_grad_() for n in bench_kda.ARGS]
+    o, ht = mod.chunk_kda(*leaves[:5], initial_state=leaves[7], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                          A_log=leaves[5], dt_bias=leaves[6], transpose_state_layout=p["trans"], cu_seqlens=x["cu"],
+                          **bench_kda._gate_kwargs(p))
+    return [o, ht, *torch.autograd.grad((o, ht), leaves, (x["do"], x["dht"]))]
+
+
 def conv1d_cases():
     return {"D12288 W4 16x2048": [2048] * 16, "D12288 W4 1x32768": [32768]}
 
@@ -177,7 +206,7 @@ def gated_rmsnorm_call(pkg, x):
 
 
 OPS = {name: (globals()[name + "_cases"], globals()[name + "_inputs"], globals()[name + "_call"])
-       for name in ("gqa", "gdn", "conv1d", "rmsnorm", "gated_rmsnorm")}
+       for name in ("gqa", "gdn", "kda", "conv1d", "rmsnorm", "gated_rmsnorm")}
 
 
 def run(ops, rounds: int, out: str | None) -> int:
