@@ -278,6 +278,17 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     return ap
 
 
+def parse_peer_args(description: str | None, argv, peer: str, quick: str) -> argparse.Namespace:
+    """`parser(description)` with --no-fla (adds the provider `peer` to --skip) and --quick (help `quick`), parsed."""
+    ap = parser(description)
+    ap.add_argument("--no-fla", action="store_true", help="leave fla out")
+    ap.add_argument("--quick", action="store_true", help=quick)
+    args = ap.parse_args(argv)
+    if args.no_fla:
+        args.skip += f",{peer}"
+    return args
+
+
 def rel_rms(got, ref) -> float:
     """||got - ref|| / ||ref|| in FP64, on the tensors' device (benchmark tensors are GBs)."""
     r = ref.detach().to(torch.float64)

@@ -131,23 +131,14 @@ def declare() -> Bench:
 
 
 # ---------------------------------------------------------------------------------------------------- tuning
-FWD_CANDIDATES = [
-    {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 128, "CHUNK": 256, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 128, "CHUNK": 64, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 4, "num_warps": 1},
-]
-BWD_CANDIDATES = [
-    {"BLOCK_D": 256, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 128, "CHUNK": 256, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 64, "CHUNK": 256, "ROWS": 8, "num_warps": 1},
-    {"BLOCK_D": 64, "CHUNK": 128, "ROWS": 4, "num_warps": 1},
-    {"BLOCK_D": 128, "CHUNK": 128, "ROWS": 4, "num_warps": 1},
-]
+def _candidates(*blocks) -> list[dict]:
+    """Block configs of the sweep, one per (BLOCK_D, CHUNK, ROWS), each at one warp."""
+    return [{"BLOCK_D": d, "CHUNK": c, "ROWS": r, "num_warps": 1} for d, c, r in blocks]
+
+
+FWD_CANDIDATES = _candidates((256, 128, 8), (128, 128, 8), (64, 128, 8), (128, 256, 8), (128, 64, 8), (256, 128, 4))
+BWD_CANDIDATES = _candidates((256, 128, 8), (128, 128, 8), (64, 128, 8), (128, 256, 8), (64, 256, 8), (64, 128, 4),
+                             (128, 128, 4))
 
 
 def sweep(write_config: bool):

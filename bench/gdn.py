@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MATMUL_TFLOPS, Autograd, Bench, Provider, parser, run
+from _common import MATMUL_TFLOPS, Autograd, Bench, Provider, parse_peer_args, run
 
 from miles_ext_kernels.cake import gdn
 
@@ -120,12 +120,7 @@ def declare(quick: bool = False) -> Bench:
 
 
 def main(argv=None) -> int:
-    ap = parser(__doc__)
-    ap.add_argument("--no-fla", action="store_true", help="leave fla out")
-    ap.add_argument("--quick", action="store_true", help="main layout only")
-    args = ap.parse_args(argv)
-    if args.no_fla:
-        args.skip += ",fla 0.6.0"
+    args = parse_peer_args(__doc__, argv, "fla 0.6.0", "main layout only")
     return run(declare(args.quick), args, extra={"floors_note": f"matmul {MATMUL_TFLOPS} TFLOP/s"})
 
 

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MATMUL_TFLOPS, RESULTS, Autograd, Bench, Provider, parser, print_table, run, write_results
+from _common import MATMUL_TFLOPS, RESULTS, Autograd, Bench, Provider, parse_peer_args, print_table, run, write_results
 from gdn import layouts
 
 from miles_ext_kernels.cake import kda
@@ -217,12 +217,7 @@ def write_ratios(path: Path) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = parser(__doc__)
-    ap.add_argument("--no-fla", action="store_true", help="leave fla out")
-    ap.add_argument("--quick", action="store_true", help="main layout (16 x 2048) only, both models")
-    args = ap.parse_args(argv)
-    if args.no_fla:
-        args.skip += f",{FLA}"
+    args = parse_peer_args(__doc__, argv, FLA, "main layout (16 x 2048) only, both models")
     extra = {"floors_note": f"matmul {MATMUL_TFLOPS} TFLOP/s", "fla_version": _fla_version()}
     rc = run(declare(args.quick), args, extra=extra)
     # where run wrote the results (_common.run's default folders)

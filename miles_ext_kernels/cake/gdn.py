@@ -18,37 +18,19 @@ K = V = 128 that is 0.81 GB of activations per layer less).
 """
 from __future__ import annotations
 
-from miles_ext_kernels.cake._runtime.spec import Flag, OpSpec
+from miles_ext_kernels.cake._runtime.declare import check_delta_rule_heads, delta_rule_spec
+from miles_ext_kernels.cake._runtime.spec import Flag
 
 HEAD_DIMS = (16, 32, 64, 128)
 
-OP = OpSpec(
-    "gdn",
-    variants=("det", "fast"),
-    selected_by=(("linear_attention_backend", "cake"),),
-    entry_points=("chunk_gated_delta_rule",),
-    options=(Flag("recompute_state", "gdn backward recomputes the per-chunk states instead of keeping them from "
-                  "the forward (less activation memory, a longer backward)"),
-             Flag("check_seqlens", "gdn: check cu_seqlens on the host before each call (one device sync per call): "
-                  "starts at 0, never decreases, ends exactly at T")),
-    prebuild_params=("head_k_dim", "head_v_dim"),
-    archs=("sm_90a",),
-)
+OP = delta_rule_spec("gdn", ("linear_attention_backend", "cake"), "chunk_gated_delta_rule", options=(
+    Flag("recompute_state", "gdn backward recomputes the per-chunk states instead of keeping them from the forward "
+         "(less activation memory, a longer backward)"),))
 
 
 def check_supported(head_k_dim, head_v_dim, num_k_heads=1, num_v_heads=1) -> None:
     """Raise (on any device, before anything is built) unless these head dims / head counts are served."""
-    for name, value in (("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim), ("num_k_heads", num_k_heads),
-                        ("num_v_heads", num_v_heads)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    for name, value in (("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
-        if value not in HEAD_DIMS:
-            raise ValueError(f"gdn: {name}={value} is not served (served: {HEAD_DIMS})")
-    if num_v_heads % num_k_heads:
-        raise ValueError(f"gdn: num_v_heads={num_v_heads} must be a multiple of num_k_heads={num_k_heads}")
+    check_delta_rule_heads("gdn", HEAD_DIMS, head_k_dim, head_v_dim, num_k_heads, num_v_heads)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,

@@ -14,7 +14,8 @@ Variants (the backward runs the variant its forward ran):
 """
 from __future__ import annotations
 
-from miles_ext_kernels.cake._runtime.spec import Flag, OpSpec
+from miles_ext_kernels.cake._runtime.declare import check_counts, check_seqlens_flag
+from miles_ext_kernels.cake._runtime.spec import OpSpec
 
 HEAD_DIM = 256
 
@@ -24,11 +25,7 @@ def check_supported(num_heads_q, num_heads_kv, head_dim=HEAD_DIM) -> None:
 
     Served: head_dim 256, num_heads_q a positive multiple of num_heads_kv (any ratio: 1/1, 2/1, 3/1, 8/1, ...).
     """
-    for name, value in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"gqa: {name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"gqa: {name} must be >= 1, got {value}")
+    check_counts((("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)), "gqa: ")
     if head_dim != HEAD_DIM:
         raise ValueError(f"gqa: head_dim {head_dim} is not served (only {HEAD_DIM})")
     if num_heads_q % num_heads_kv:
@@ -74,18 +71,9 @@ def _validate(args) -> None:
     check_supported(hq, hkv, d)
 
 
-OP = OpSpec(
-    "gqa",
-    variants=("det", "fast"),
-    selected_by=(("full_attention_backend", "cake"),),
-    entry_points=("varlen_gqa_attention",),
-    options=(Flag("check_seqlens", "gqa: check cu_seqlens_q/k and max_seqlen_k on the host before each call "
-                                   "(one device sync per call)"),),
-    validate=_validate,
-    prebuild_params=(),
-    archs=("sm_90a",),
-    bench="gqa",
-)
+OP = OpSpec("gqa", selected_by=(("full_attention_backend", "cake"),), entry_points=("varlen_gqa_attention",),
+            options=(check_seqlens_flag("gqa", "cu_seqlens_q/k and max_seqlen_k", ""),), validate=_validate,
+            bench="gqa")
 
 
 def varlen_gqa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_k, softmax_scale=None,

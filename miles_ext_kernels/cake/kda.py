@@ -22,36 +22,17 @@ Option `--cake-kda-check-seqlens` (configure(kda_check_seqlens=True)): check cu_
 """
 from __future__ import annotations
 
-from miles_ext_kernels.cake._runtime.spec import Flag, OpSpec
+from miles_ext_kernels.cake._runtime.declare import check_delta_rule_heads, delta_rule_spec
 
 HEAD_DIMS = (16, 32, 64, 128)
 SAFE_LOWER_BOUND = -5.0  # the safe gate's floor: lower_bound must lie in [SAFE_LOWER_BOUND, 0)
 
-OP = OpSpec(
-    "kda",
-    variants=("det", "fast"),
-    selected_by=(("kda_backend", "cake"),),
-    entry_points=("chunk_kda",),
-    options=(Flag("check_seqlens", "kda: check cu_seqlens on the host before each call (one device sync per call): "
-                  "starts at 0, never decreases, ends exactly at T"),),
-    prebuild_params=("head_k_dim", "head_v_dim"),
-    archs=("sm_90a",),
-)
+OP = delta_rule_spec("kda", ("kda_backend", "cake"), "chunk_kda")
 
 
 def check_supported(head_k_dim, head_v_dim, num_k_heads=1, num_v_heads=1) -> None:
     """Raise (on any device, before anything is built) unless these head dims / head counts are served."""
-    for name, value in (("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim), ("num_k_heads", num_k_heads),
-                        ("num_v_heads", num_v_heads)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    for name, value in (("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
-        if value not in HEAD_DIMS:
-            raise ValueError(f"kda: {name}={value} is not served (served: {HEAD_DIMS})")
-    if num_v_heads % num_k_heads:
-        raise ValueError(f"kda: num_v_heads={num_v_heads} must be a multiple of num_k_heads={num_k_heads}")
+    check_delta_rule_heads("kda", HEAD_DIMS, head_k_dim, head_v_dim, num_k_heads, num_v_heads)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,

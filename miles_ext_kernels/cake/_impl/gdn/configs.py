@@ -15,22 +15,10 @@ triton 3.6). BV / BK are capped at the head dims.
   shapes), so a call's bits still repeat.
 """
 
-CFG = {
-    "l2norm": dict(num_warps=4, BR=16),
-    "prep": dict(num_warps=2),
-    "wu": dict(num_warps=4),
-    "h": dict(num_warps=8, num_stages=3, BV=128),
-    "h_narrow": dict(num_warps=4, num_stages=3, BV=32),
-    "o": dict(num_warps=4),
-    "dvl": dict(num_warps=4),
-    "dh": dict(num_warps=8, num_stages=1, BV=128),
-    "dh_narrow": dict(num_warps=4, num_stages=2, BV=32),
-    "dqkw": dict(num_warps=4, BK=128, SPLIT=True, num_warps_dk=4, BK_dk=128),
-    "wy": dict(num_warps=4),
-    "final": dict(num_warps=4, BR=16, LOW_PARTIALS=True, LOW_DK=True),
-}
-NARROW_BELOW = 128  # programs of the wide state tiles under which h_narrow / dh_narrow are used
-DEFAULT_STAGES = 2  # num_stages where an entry has none (the chunk kernels have no pipelined loop)
+from ..delta_rule import tables
 
-# per arch; the interpreter (CPU tests) runs the same table
-CONFIGS = {"sm_90a": CFG, "interpreter": CFG}
+CFG = tables.table()  # the swept values above: `_impl/delta_rule/tables.SWEPT` (kda's table starts from them)
+NARROW_BELOW = tables.NARROW_BELOW  # programs of the wide state tiles under which h_narrow / dh_narrow are used
+DEFAULT_STAGES = tables.DEFAULT_STAGES  # num_stages where an entry has none (the chunk kernels have no pipelined loop)
+
+CONFIGS = tables.per_arch(CFG)  # per arch; the interpreter (CPU tests) runs the same table

@@ -5,6 +5,7 @@ import torch
 
 from miles_ext_kernels.cake._runtime.testing import rel_rms
 
+from ..delta_rule import cases
 from .reference import gdn_reference
 
 # Budgets (relative RMS vs the FP64 recurrence), 2 x our measured errors (each rejects a 2 % error):
@@ -28,26 +29,15 @@ LENS_GPU = [15, 100, 300, 1200, 64, 1]
 
 
 def make_inputs(lens, H, HV, K, V, device, *, seed=0, h0=True, l2=True, gshift=0.0):
-    gen = torch.Generator().manual_seed(seed)
+    r, gen, q, k, v = cases.draw_qkv(lens, H, HV, K, V, seed=seed, l2=l2)
     T = sum(lens)
-
-    def r(*s):
-        return torch.randn(*s, generator=gen)
-
-    q = r(1, T, H, K).to(torch.bfloat16)
-    k = r(1, T, H, K).to(torch.bfloat16)
-    if not l2:
-        q = torch.nn.functional.normalize(q.float(), dim=-1).to(torch.bfloat16)
-        k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
-    v = r(1, T, HV, V).to(torch.bfloat16)
     g = torch.nn.functional.logsigmoid(r(1, T, HV) + gshift).float()
     beta = torch.rand(1, T, HV, generator=gen).float().sigmoid()
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+    cu = cases.cu_of(lens)
     hs = r(len(lens), HV, K, V).float() * 0.1 if h0 else None
     do = r(1, T, HV, V).to(torch.bfloat16)
     dht = r(len(lens), HV, K, V).float() * 0.1
-    out = dict(q=q, k=k, v=v, g=g, beta=beta, cu=cu, h0=hs, do=do, dht=dht)
-    return {n: (x.to(device) if x is not None else None) for n, x in out.items()}
+    return cases.to_device(dict(q=q, k=k, v=v, g=g, beta=beta, cu=cu, h0=hs, do=do, dht=dht), device)
 
 
 def run_impl(inp, *, l2=True, impl=None):
@@ -60,10 +50,7 @@ def run_impl(inp, *, l2=True, impl=None):
         leaves["h0"] = inp["h0"].clone().requires_grad_(True)
     o, ht = impl(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state=leaves.get("h0"),
                  output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=inp["cu"])
-    (o.float() * inp["do"].float()).sum().add((ht * inp["dht"]).sum()).backward()
-    ours = {"o": o.detach(), "ht": ht.detach()}
-    ours.update({"d" + n: t.grad for n, t in leaves.items()})
-    return ours
+    return cases.backward(o, ht, leaves, inp["do"], inp["dht"])
 
 
 def run_reference(inp, *, l2=True, device="cpu"):
@@ -74,10 +61,7 @@ def run_reference(inp, *, l2=True, device="cpu"):
     ro, rht = gdn_reference(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
                             initial_state=leaves.get("h0"), output_final_state=True,
                             use_qk_l2norm_in_kernel=l2, cu_seqlens=inp["cu"].cpu())
-    (ro * inp["do"].to(device).double()).sum().add((rht * inp["dht"].to(device).double()).sum()).backward()
-    ref = {"o": ro.detach(), "ht": rht.detach()}
-    ref.update({"d" + n: t.grad for n, t in leaves.items()})
-    return ref
+    return cases.backward(ro, rht, leaves, inp["do"], inp["dht"], dtype=torch.float64)
 
 
 def run_case(inp, *, l2=True, impl=None, ref_device="cpu"):
@@ -88,16 +72,10 @@ def run_case(inp, *, l2=True, impl=None, ref_device="cpu"):
 def demo(device: str) -> list[dict]:
     dev = "cpu" if device == "cpu" else "cuda"
     if dev == "cpu":
-        cases = [("docs 15+70+50, H1/HV2, K=V=32, l2", dict(lens=[15, 70, 50], H=1, HV=2, K=32, V=32), True)]
+        todo = [("docs 15+70+50, H1/HV2, K=V=32, l2", dict(lens=[15, 70, 50], H=1, HV=2, K=32, V=32), True)]
     else:
-        cases = [("docs 15+100+300+1200+64+1, H16/HV32, K=V=128, l2", dict(lens=LENS_GPU, H=16, HV=32, K=128, V=128),
+        todo = [("docs 15+100+300+1200+64+1, H16/HV32, K=V=128, l2", dict(lens=LENS_GPU, H=16, HV=32, K=128, V=128),
                   True)]
-    rows = []
-    for case, shape, l2 in cases:
-        inp = make_inputs(device=device, l2=l2, **shape)
-        ours, ref = run_case(inp, l2=l2, ref_device=device)
-        for name, got in ours.items():
-            err = rel_rms(got, ref[name])
-            budget = BUDGETS[dev][name]
-            rows.append(dict(op="gdn", case=case, tensor=name, err=err, budget=budget, ok=err <= budget))
-    return rows
+    runs = ((case, *run_case(make_inputs(device=device, l2=l2, **shape), l2=l2, ref_device=device))
+            for case, shape, l2 in todo)
+    return cases.demo_rows("gdn", BUDGETS[dev], runs, lambda name, got, ref: rel_rms(got, ref[name]))

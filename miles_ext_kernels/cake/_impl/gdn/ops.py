@@ -5,20 +5,16 @@ Forward: [L2 norm of q, k] -> prep (gc = in-chunk cumsum of g, A = (I + L)^-1) -
 every chunk-end state, full d(dlt), dh0) -> dq, dk, dw, partial dg -> WY backward (dk, dv, dbeta, dg) -> sum dq,
 dk over the value heads of each key head (fixed order) and back through the L2 norm.
 
-Both variants launch the same kernels: no kernel uses atomics and every split sum is added in one fixed order, so
-`fast` is `det`. Launch configs: configs.py (fixed per arch). Every launch goes through `_runtime.launch.launch`;
-`routes()` runs these launchers on meta tensors, so prebuild compiles exactly what they launch.
+Variants, launch configs and routes(): as `_impl/delta_rule/host.py` says of both delta-rule ops.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from miles_ext_kernels.cake._runtime import build, checks, config
 from miles_ext_kernels.cake._runtime.autograd import KernelOp
-from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
 from miles_ext_kernels.cake._runtime.cp import check_call as check_cp_call
 from miles_ext_kernels.cake._runtime.cp import simulate, stage_function
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
@@ -26,6 +22,7 @@ from miles_ext_kernels.cake.gdn import HEAD_DIMS  # the declaration owns the ser
 from miles_ext_kernels.cake.gdn import OP as SPEC
 
 from ..delta_rule import cp as cp_core
+from ..delta_rule import host
 from ..delta_rule import launchers as core
 from . import configs
 from . import kernels as kn
@@ -35,18 +32,8 @@ BT = kn.BT
 IN_DTYPES = (torch.bfloat16,)
 GATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INTERPRET = build.INTERPRET
-
-
-def _cfg(tab: dict, name: str) -> dict:
-    return core.launch_opts(tab, name, configs)
-
-
-def _bv(tab: dict, name: str, V: int) -> int:
-    return core.block_v(tab, name, V)
-
-
-def _state_cfg(tab: dict, name: str, V: int, seq_heads: int) -> tuple:
-    return core.state_cfg(tab, name, V, seq_heads, configs)
+_cfg, _state_cfg, _dqkw_cfg, _rows_cfg, _ws, _c = host.bind(OP, configs)
+_pdt, _kdt, _empty0 = core.partial_dtype, core.dk_dtype, core.empty0
 
 
 def _dqkw_launches(tab: dict, K: int) -> tuple:
@@ -61,101 +48,22 @@ def _dqkw_launches(tab: dict, K: int) -> tuple:
     return out, slot
 
 
-def _dqkw_cfg(tab: dict, phase: int) -> dict:
-    return core.dqkw_opts(tab, phase, configs)
-
-
-def _pdt(tab: dict, dt):
-    return core.partial_dtype(tab, dt)
-
-
-def _kdt(tab: dict, dt):
-    return core.dk_dtype(tab, dt)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # checks
 def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    check_tensor("q", q, dtype=IN_DTYPES, ndim=4)
-    check_tensor("k", k, dtype=IN_DTYPES, ndim=4)
-    check_tensor("v", v, dtype=IN_DTYPES, ndim=4)
-    check_tensor("g", g, dtype=GATE_DTYPES, ndim=3)
-    check_tensor("beta", beta, dtype=GATE_DTYPES, ndim=3)
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    B, T, H, K = q.shape
-    if v.shape[0] != B or v.shape[1] != T:
-        raise ValueError(f"v must be [B, T, HV, V] = [{B}, {T}, HV, V], got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if H < 1 or HV < 1 or HV % H != 0:
-        raise ValueError(f"v's head count HV={HV} must be a positive multiple of q/k's head count H={H}")
-    if K not in HEAD_DIMS:
-        raise ValueError(f"q/k head dim K={K} is not served (served: {HEAD_DIMS})")
-    if V not in HEAD_DIMS:
-        raise ValueError(f"v head dim V={V} is not served (served: {HEAD_DIMS})")
-    if tuple(g.shape) != (B, T, HV):
-        raise ValueError(f"g must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}")
-    if tuple(beta.shape) != (B, T, HV):
-        raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
-    if T < 1 or B < 1:
-        raise ValueError(f"q must hold at least one token, got shape {tuple(q.shape)}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
-    for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel",
-                                                                     use_qk_l2norm_in_kernel)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
-    if cu_seqlens is not None:
-        check_tensor("cu_seqlens", cu_seqlens, dtype=(torch.int32, torch.int64), ndim=1)
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch size must be 1 (packed documents), got B={B}")
-        if cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens must hold at least 2 offsets ([0, ..., T])")
-        if cu_seqlens.device.type == "cpu" and q.device.type == "cpu" and not torch.compiler.is_compiling():
-            cu = cu_seqlens.tolist()  # host tensor next to host data (interpreter): cheap to check fully
-            if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu[:-1], cu[1:])):
-                raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu}")
-        named.append(("cu_seqlens", cu_seqlens))
-        N = cu_seqlens.numel() - 1
-    else:
-        N = B
-    if initial_state is not None:
-        check_tensor("initial_state", initial_state, dtype=GATE_DTYPES, ndim=4)
-        if tuple(initial_state.shape) != (N, HV, K, V):
-            raise ValueError(f"initial_state must be [N, HV, K, V] = {(N, HV, K, V)}, got "
-                             f"{tuple(initial_state.shape)}")
-        named.append(("initial_state", initial_state))
-    check_same_device(named)
-    build.check_device(q, "q")
+    B, T, H, K, HV, V = host.check_operands(q, k, v, g, beta, scale, head_dims=HEAD_DIMS, in_dtypes=IN_DTYPES,
+                                            g_dtypes=GATE_DTYPES, beta_dtypes=GATE_DTYPES, gate_per_key=False)
+    host.check_flags((("output_final_state", output_final_state),
+                      ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)))
+    N = host.check_packing(q, cu_seqlens, initial_state, [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)],
+                           HV, K, V, state_dtypes=GATE_DTYPES)
     return B, T, H, K, HV, V, N
-
-
-def _c(x: torch.Tensor, name: str) -> torch.Tensor:
-    """Contiguous and 16-byte aligned (the kernels index rows densely and are specialized on aligned pointers)."""
-    return core.dense(x, OP, name)
 
 
 def _operands(q, k, v) -> tuple:
     """(config table, (B, T, H, K, HV, V), q, k, v as the kernels read them) of a forward or backward call."""
     B, T, H, K = q.shape
     return configs.CONFIGS[arch_of(q, "q")], (B, T, H, K, v.shape[2], v.shape[3]), _c(q, "q"), _c(k, "k"), _c(v, "v")
-
-
-def _ws(role: str, shape, dtype, device) -> torch.Tensor:
-    return core.scratch(OP, role, shape, dtype, device)
-
-
-_empty0 = core.empty0
-
-
-def _rows_cfg(tab: dict, name: str) -> dict:
-    return dict(BR=tab[name]["BR"], **_cfg(tab, name))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -324,11 +232,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
 
 def _forward_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state,
                   variant="det"):
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    Tt = B * T
-    P = build.cdiv(Tt, BT) + N
+    B, T, H, K, HV, V, N, Tt, P = host.fake_sizes(q, v, cu_seqlens)
     e = q.new_empty
     f32 = torch.float32
     o = e((B, T, HV, V))
@@ -409,20 +313,13 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
     over every flag (L2 norm, initial / final state, kept / recomputed states, wide / narrow state tiles, int32 /
     int64 / no cu_seqlens, context parallelism) and record their launches."""
     K, V = head_k_dim, head_v_dim
-    if K not in HEAD_DIMS or V not in HEAD_DIMS:
-        raise ValueError(f"head dims must be in {HEAD_DIMS}, got head_k_dim={K}, head_v_dim={V}")
-    arch = build.INTERPRETER_ARCH if INTERPRET else build.device_arch()
+    arch = host.route_arch(K, V, HEAD_DIMS)
     H, HV = 2, 4
     meta = dict(device="meta")
     with collect_routes(arch) as rs:
         for n_seq in (1, configs.NARROW_BELOW):  # narrow and wide state tiles
-            T = BT * n_seq
-            for cu_dtype in (None, torch.int32, torch.int64):
-                cu = None if cu_dtype is None else torch.empty(n_seq + 1, dtype=cu_dtype, **meta)
-                B = n_seq if cu is None else 1
-                Tb = T // B
-                q = torch.empty(B, Tb, H, K, dtype=torch.bfloat16, **meta)
-                v = torch.empty(B, Tb, HV, V, dtype=torch.bfloat16, **meta)
+            for cu_dtype in (None,) + host.CU_DTYPES:
+                cu, B, Tb, q, v = host.route_operands(n_seq, cu_dtype, H, HV, K, V)
                 g = torch.empty(B, Tb, HV, **meta)
                 h0 = torch.empty(n_seq, HV, K, V, **meta)
                 for use_l2 in (False, True):

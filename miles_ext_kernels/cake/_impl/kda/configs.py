@@ -18,23 +18,17 @@ head dims.
   per program).
 """
 
-CFG = {
-    "l2norm": dict(num_warps=4, BR=16),
-    "prep": dict(num_warps=8),
-    "wu": dict(num_warps=4),
-    "h": dict(num_warps=8, num_stages=2, BV=128),
-    "h_narrow": dict(num_warps=4, num_stages=3, BV=32),
-    "o": dict(num_warps=4),
-    "dvl": dict(num_warps=4),
-    "dh": dict(num_warps=8, num_stages=1, BV=128),
-    "dh_narrow": dict(num_warps=4, num_stages=2, BV=32),
-    "dqkw": dict(num_warps=8, BK=64, SPLIT=True, num_warps_dk=8, BK_dk=64),
-    "wy": dict(num_warps=8),
-    "final": dict(num_warps=4, BR=16, LOW_PARTIALS=True, LOW_DK=True),
-    "gate_sum": dict(num_warps=4, BP=32, BN=128),
-}
-NARROW_BELOW = 128  # programs of the wide state tiles under which h_narrow / dh_narrow are used
-DEFAULT_STAGES = 2  # num_stages where an entry has none (the chunk kernels have no pipelined loop)
+from ..delta_rule import tables
 
-# per arch; the interpreter (CPU tests) runs the same table
-CONFIGS = {"sm_90a": CFG, "interpreter": CFG}
+# gdn's table with the entries above changed (the other entries: `_impl/delta_rule/tables.SWEPT`)
+CFG = tables.table(
+    prep=dict(num_warps=8),
+    h=dict(num_warps=8, num_stages=2, BV=128),
+    dqkw=dict(num_warps=8, BK=64, SPLIT=True, num_warps_dk=8, BK_dk=64),
+    wy=dict(num_warps=8),
+    gate_sum=dict(num_warps=4, BP=32, BN=128),
+)
+NARROW_BELOW = tables.NARROW_BELOW  # programs of the wide state tiles under which h_narrow / dh_narrow are used
+DEFAULT_STAGES = tables.DEFAULT_STAGES  # num_stages where an entry has none (the chunk kernels have no pipelined loop)
+
+CONFIGS = tables.per_arch(CFG)  # per arch; the interpreter (CPU tests) runs the same table

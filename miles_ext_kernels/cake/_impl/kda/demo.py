@@ -12,6 +12,7 @@ import torch
 
 from miles_ext_kernels.cake._runtime.testing import rel_rms
 
+from ..delta_rule import cases
 from .reference import gate_param_terms, kda_gate, kda_reference
 
 GATE_MODES = ("pre", "softplus", "safe")  # the log decay given; the in-kernel gate; the in-kernel lower-bound gate
@@ -37,18 +38,8 @@ def make_inputs(lens, H, HV, K, V, device, *, seed=0, h0=True, l2=True, gate="pr
     """Inputs of one case: q, k, v bf16; g (the log decay for gate="pre", else the raw gate in gate_dtype); A_log,
     dt_bias (gated modes); beta; cu; h0 (or None) and dht in the chosen state layout; do. decay: a per-token log decay
     of about that value (pre-gated) instead of logsigmoid draws."""
-    gen = torch.Generator().manual_seed(seed)
+    r, gen, q, k, v = cases.draw_qkv(lens, H, HV, K, V, seed=seed, l2=l2)
     T = sum(lens)
-
-    def r(*s):
-        return torch.randn(*s, generator=gen)
-
-    q = r(1, T, H, K).to(torch.bfloat16)
-    k = r(1, T, H, K).to(torch.bfloat16)
-    if not l2:
-        q = torch.nn.functional.normalize(q.float(), dim=-1).to(torch.bfloat16)
-        k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
-    v = r(1, T, HV, V).to(torch.bfloat16)
     A_log = dt_bias = lb = None
     if gate == "pre":
         if decay is None:
@@ -61,13 +52,13 @@ def make_inputs(lens, H, HV, K, V, device, *, seed=0, h0=True, l2=True, gate="pr
         dt_bias = (0.5 * r(HV * K)).float()
         lb = SAFE_LB if gate == "safe" else None
     beta = torch.rand(1, T, HV, generator=gen).to(beta_dtype)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+    cu = cases.cu_of(lens)
     shape = (len(lens), HV, V, K) if trans else (len(lens), HV, K, V)
     hs = r(*shape).float() * 0.1 if h0 else None
     do = r(1, T, HV, V).to(torch.bfloat16)
     dht = r(*shape).float() * 0.1
     out = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu=cu, h0=hs, do=do, dht=dht)
-    out = {n: (x.to(device) if x is not None else None) for n, x in out.items()}
+    out = cases.to_device(out, device)
     out.update(gate=gate, lower_bound=lb, trans=trans)
     return out
 
@@ -94,15 +85,7 @@ def run_impl(inp, *, l2=True, impl=None, cu=True, final=True):
     leaves = _leaves(inp)
     o, ht = impl(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state=leaves.get("h0"),
                  A_log=leaves.get("A_log"), dt_bias=leaves.get("dt_bias"), **_kwargs(inp, l2, cu, final))
-    loss = (o.float() * inp["do"].float()).sum()
-    if final:
-        loss = loss + (ht * inp["dht"]).sum()
-    loss.backward()
-    ours = {"o": o.detach()}
-    if final:
-        ours["ht"] = ht.detach()
-    ours.update({"d" + n: t.grad for n, t in leaves.items()})
-    return ours
+    return cases.backward(o, ht, leaves, inp["do"], inp["dht"], final=final)
 
 
 def run_reference(inp, *, l2=True, device="cpu", cu=True, final=True):
@@ -118,14 +101,7 @@ def run_reference(inp, *, l2=True, device="cpu", cu=True, final=True):
     kw["use_gate_in_kernel"] = False
     ro, rht = kda_reference(leaves["q"], leaves["k"], leaves["v"], g, leaves["beta"], initial_state=leaves.get("h0"),
                             **kw)
-    loss = (ro * inp["do"].to(device).double()).sum()
-    if final:
-        loss = loss + (rht * inp["dht"].to(device).double()).sum()
-    loss.backward()
-    ref = {"o": ro.detach()}
-    if final:
-        ref["ht"] = rht.detach()
-    ref.update({"d" + n: t.grad for n, t in leaves.items()})
+    ref = cases.backward(ro, rht, leaves, inp["do"], inp["dht"], final=final, dtype=torch.float64)
     if inp["gate"] != "pre":
         ta, tb = gate_param_terms(leaves["g"].detach(), leaves["A_log"].detach(), leaves["dt_bias"].detach(),
                                   g.grad, inp["lower_bound"])
@@ -159,17 +135,11 @@ def run_case(inp, *, l2=True, impl=None, ref_device="cpu"):
 def demo(device: str) -> list[dict]:
     dev = "cpu" if device == "cpu" else "cuda"
     if dev == "cpu":
-        cases = [("docs 15+70+50, H1/HV2, K=V=32, l2, safe gate, [V, K] states",
-                  dict(lens=[15, 70, 50], H=1, HV=2, K=32, V=32))]
+        todo = [("docs 15+70+50, H1/HV2, K=V=32, l2, safe gate, [V, K] states",
+                 dict(lens=[15, 70, 50], H=1, HV=2, K=32, V=32))]
     else:
-        cases = [("docs 15+100+300+1200+64+1, H32/HV32, K=V=128, l2, safe gate, [V, K] states",
-                  dict(lens=LENS_GPU, H=32, HV=32, K=128, V=128))]
-    rows = []
-    for case, shape in cases:
-        inp = make_inputs(device=device, l2=True, gate="safe", trans=True, **shape)
-        ours, ref = run_case(inp, l2=True, ref_device=device)
-        for name, got in ours.items():
-            err = error(name, got, ref)
-            budget = BUDGETS[dev][name]
-            rows.append(dict(op="kda", case=case, tensor=name, err=err, budget=budget, ok=err <= budget))
-    return rows
+        todo = [("docs 15+100+300+1200+64+1, H32/HV32, K=V=128, l2, safe gate, [V, K] states",
+                 dict(lens=LENS_GPU, H=32, HV=32, K=128, V=128))]
+    runs = ((case, *run_case(make_inputs(device=device, l2=True, gate="safe", trans=True, **shape), l2=True,
+                             ref_device=device)) for case, shape in todo)
+    return cases.demo_rows("kda", BUDGETS[dev], runs, error)

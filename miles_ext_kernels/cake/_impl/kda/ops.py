@@ -8,9 +8,7 @@ dg through the gate, per-chunk dA_log / ddt_bias partials) -> sum dq, dk over th
 sequence, one to one; the L2 norm, the chunk table and the per-key-head sums are the shared core's
 (`_impl/delta_rule/launchers.py`).
 
-Both variants launch the same kernels: no kernel uses atomics and every split sum is added in one fixed order, so
-`fast` is `det`. Launch configs: configs.py (fixed per arch). Every launch goes through `_runtime.launch.launch`;
-`routes()` runs these launchers on meta tensors, so prebuild compiles exactly what they launch.
+Variants, launch configs and routes(): gdn's (see `_impl/delta_rule/host.py`, which both ops' checks share too).
 """
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ import torch
 
 from miles_ext_kernels.cake._runtime import build, checks, config
 from miles_ext_kernels.cake._runtime.autograd import KernelOp
-from miles_ext_kernels.cake._runtime.checks import check_same_device, check_tensor
+from miles_ext_kernels.cake._runtime.checks import check_tensor
 from miles_ext_kernels.cake._runtime.cp import check_call as check_cp_call
 from miles_ext_kernels.cake._runtime.cp import simulate, stage_function
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
@@ -29,6 +27,7 @@ from miles_ext_kernels.cake.kda import HEAD_DIMS, SAFE_LOWER_BOUND  # the declar
 from miles_ext_kernels.cake.kda import OP as SPEC
 
 from ..delta_rule import cp as cp_core
+from ..delta_rule import host
 from ..delta_rule import launchers as core
 from . import configs
 from . import kernels as kn
@@ -40,18 +39,8 @@ BETA_DTYPES = (torch.float32, torch.bfloat16)
 RAW_GATE_DTYPES = (torch.float32, torch.bfloat16)
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INTERPRET = build.INTERPRET
-
-
-def _cfg(tab: dict, name: str) -> dict:
-    return core.launch_opts(tab, name, configs)
-
-
-def _bv(tab: dict, name: str, V: int) -> int:
-    return core.block_v(tab, name, V)
-
-
-def _state_cfg(tab: dict, name: str, V: int, seq_heads: int) -> tuple:
-    return core.state_cfg(tab, name, V, seq_heads, configs)
+_cfg, _state_cfg, _dqkw_cfg, _rows_cfg, _ws, _c = host.bind(OP, configs)
+_pdt, _kdt = core.partial_dtype, core.dk_dtype
 
 
 def _dqkw_launches(tab: dict, K: int) -> list:
@@ -59,22 +48,6 @@ def _dqkw_launches(tab: dict, K: int) -> list:
     launch (fewer live tiles each, each with its own BK)."""
     c = tab["dqkw"]
     return [(phase, min(K, c["BK_dk" if phase == 2 else "BK"])) for phase in ((1, 2) if c["SPLIT"] else (0,))]
-
-
-def _dqkw_cfg(tab: dict, phase: int) -> dict:
-    return core.dqkw_opts(tab, phase, configs)
-
-
-def _rows_cfg(tab: dict, name: str) -> dict:
-    return dict(BR=tab[name]["BR"], **_cfg(tab, name))
-
-
-def _pdt(tab: dict, dt):
-    return core.partial_dtype(tab, dt)
-
-
-def _kdt(tab: dict, dt):
-    return core.dk_dtype(tab, dt)
 
 
 def gate_kind(use_gate_in_kernel: bool, lower_bound) -> int:
@@ -86,49 +59,18 @@ def gate_kind(use_gate_in_kernel: bool, lower_bound) -> int:
 
 # ----------------------------------------------------------------------------------------------------------------
 # checks
-def _check_flag(name: str, flag) -> None:
-    if not isinstance(flag, bool):
-        raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-
-
 def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
            A_log, dt_bias, safe_gate, lower_bound, transpose_state_layout, cu_seqlens, cp_context):
-    for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel",
-                                                                     use_qk_l2norm_in_kernel),
-                       ("use_gate_in_kernel", use_gate_in_kernel), ("safe_gate", safe_gate),
-                       ("transpose_state_layout", transpose_state_layout)):
-        _check_flag(name, flag)
-    check_tensor("q", q, dtype=IN_DTYPES, ndim=4)
-    check_tensor("k", k, dtype=IN_DTYPES, ndim=4)
-    check_tensor("v", v, dtype=IN_DTYPES, ndim=4)
-    check_tensor("g", g, dtype=RAW_GATE_DTYPES if use_gate_in_kernel else (torch.float32,), ndim=4)
-    check_tensor("beta", beta, dtype=BETA_DTYPES, ndim=3)
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
-    B, T, H, K = q.shape
-    if v.shape[0] != B or v.shape[1] != T:
-        raise ValueError(f"v must be [B, T, HV, V] = [{B}, {T}, HV, V], got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if H < 1 or HV < 1 or HV % H != 0:
-        raise ValueError(f"v's head count HV={HV} must be a positive multiple of q/k's head count H={H}")
-    if K not in HEAD_DIMS:
-        raise ValueError(f"q/k head dim K={K} is not served (served: {HEAD_DIMS})")
-    if V not in HEAD_DIMS:
-        raise ValueError(f"v head dim V={V} is not served (served: {HEAD_DIMS})")
-    if tuple(g.shape) != (B, T, HV, K):
-        raise ValueError(f"g must be [B, T, HV, K] = {(B, T, HV, K)}, got {tuple(g.shape)}")
-    if tuple(beta.shape) != (B, T, HV):
-        raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
-    if T < 1 or B < 1:
-        raise ValueError(f"q must hold at least one token, got shape {tuple(q.shape)}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+    host.check_flags((("output_final_state", output_final_state),
+                      ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+                      ("use_gate_in_kernel", use_gate_in_kernel), ("safe_gate", safe_gate),
+                      ("transpose_state_layout", transpose_state_layout)))
+    B, T, H, K, HV, V = host.check_operands(
+        q, k, v, g, beta, scale, head_dims=HEAD_DIMS, in_dtypes=IN_DTYPES,
+        g_dtypes=RAW_GATE_DTYPES if use_gate_in_kernel else (torch.float32,), beta_dtypes=BETA_DTYPES,
+        gate_per_key=True)
+    host.check_optional_float("lower_bound", lower_bound)
     if lower_bound is not None:
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
         if not (math.isfinite(lower_bound) and lower_bound < 0):
             raise ValueError(f"lower_bound must be a finite float < 0, got {lower_bound}")
         if safe_gate and lower_bound < SAFE_LOWER_BOUND:
@@ -150,38 +92,9 @@ def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2
             if t is not None:
                 raise ValueError(f"{name} is read only by the in-kernel gate: pass use_gate_in_kernel=True or "
                                  f"{name}=None")
-    if cu_seqlens is not None:
-        check_tensor("cu_seqlens", cu_seqlens, dtype=(torch.int32, torch.int64), ndim=1)
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch size must be 1 (packed documents), got B={B}")
-        if cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens must hold at least 2 offsets ([0, ..., T])")
-        if cu_seqlens.device.type == "cpu" and q.device.type == "cpu" and not torch.compiler.is_compiling():
-            cu = cu_seqlens.tolist()  # host tensor next to host data (interpreter): cheap to check fully
-            if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu[:-1], cu[1:])):
-                raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu}")
-        named.append(("cu_seqlens", cu_seqlens))
-        N = cu_seqlens.numel() - 1
-    else:
-        N = B
-    if initial_state is not None:
-        check_tensor("initial_state", initial_state, dtype=STATE_DTYPES, ndim=4)
-        want = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
-        if tuple(initial_state.shape) != want:
-            lay = "[N, HV, V, K]" if transpose_state_layout else "[N, HV, K, V]"
-            raise ValueError(f"initial_state must be {lay} = {want}, got {tuple(initial_state.shape)}")
-        named.append(("initial_state", initial_state))
-    check_same_device(named)
-    build.check_device(q, "q")
+    host.check_packing(q, cu_seqlens, initial_state, named, HV, K, V, state_dtypes=STATE_DTYPES,
+                       transpose_state=transpose_state_layout)
     return gate_kind(use_gate_in_kernel, lower_bound)
-
-
-def _ws(role: str, shape, dtype, device) -> torch.Tensor:
-    return core.scratch(OP, role, shape, dtype, device)
-
-
-def _c(x: torch.Tensor, name: str) -> torch.Tensor:
-    return core.dense(x, OP, name)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -363,11 +276,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
 
 def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, gate,
                   output_final_state, use_l2, trans_state, variant="det"):
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    Tt = B * T
-    P = build.cdiv(Tt, BT) + N
+    B, T, H, K, HV, V, N, Tt, P = host.fake_sizes(q, v, cu_seqlens)
     e = q.new_empty
     f32 = torch.float32
     o = e((B, T, HV, V))
@@ -458,22 +367,15 @@ def routes(head_k_dim: int = 128, head_v_dim: int = 128):
     over every flag (gate kind and raw-gate dtype, L2 norm, initial / final state and its layout, wide / narrow state
     tiles, int32 / int64 / no cu_seqlens, context parallelism) and record their launches."""
     K, V = head_k_dim, head_v_dim
-    if K not in HEAD_DIMS or V not in HEAD_DIMS:
-        raise ValueError(f"head dims must be in {HEAD_DIMS}, got head_k_dim={K}, head_v_dim={V}")
-    arch = build.INTERPRETER_ARCH if INTERPRET else build.device_arch()
+    arch = host.route_arch(K, V, HEAD_DIMS)
     H, HV = 2, 4
     meta = dict(device="meta")
     gates = [(kn.GATE_NONE, torch.float32)] + [(kind, dt) for kind in (kn.GATE_SOFTPLUS, kn.GATE_SIGMOID)
                                                for dt in RAW_GATE_DTYPES]
     with collect_routes(arch) as rs:
         for n_seq in (1, configs.NARROW_BELOW):  # narrow and wide state tiles
-            T = BT * n_seq
-            for cu_dtype in (None, torch.int32, torch.int64):
-                cu = None if cu_dtype is None else torch.empty(n_seq + 1, dtype=cu_dtype, **meta)
-                B = n_seq if cu is None else 1
-                Tb = T // B
-                q = torch.empty(B, Tb, H, K, dtype=torch.bfloat16, **meta)
-                v = torch.empty(B, Tb, HV, V, dtype=torch.bfloat16, **meta)
+            for cu_dtype in (None,) + host.CU_DTYPES:
+                cu, B, Tb, q, v = host.route_operands(n_seq, cu_dtype, H, HV, K, V)
                 beta = torch.empty(B, Tb, HV, **meta)
                 a_log = torch.empty(HV, **meta)
                 dt_bias = torch.empty(HV * K, **meta)

@@ -8,15 +8,16 @@ Per value head hv (key head hv // (HV // H)), with a decay per key dimension (fl
 
 With the in-kernel gate, g_t = -exp(A_log[hv]) * softplus(g_raw_t + dt_bias[hv]), or with a lower bound
 g_t = lower_bound * sigmoid(exp(A_log[hv]) * (g_raw_t + dt_bias[hv])). Gradients come from autograd through the loop.
-States are [N, HV, K, V], or [N, HV, V, K] with transpose_state_layout.
+States are [N, HV, K, V], or [N, HV, V, K] with transpose_state_layout. The loop is
+`_impl/delta_rule/reference.py`'s (gdn's too).
 """
 from __future__ import annotations
 
 import torch
 
+from ..delta_rule.reference import l2norm, recurrence
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+__all__ = ["gate_param_terms", "kda_gate", "kda_reference", "l2norm", "softplus"]
 
 
 def softplus(x: torch.Tensor) -> torch.Tensor:
@@ -54,39 +55,8 @@ def kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
                   lower_bound=None, transpose_state_layout=False, cu_seqlens=None, dtype=torch.float64):
     """Returns (o [B, T, HV, V] in `dtype`, final_state [N, HV, K, V] ([N, HV, V, K] transposed) or None).
     Differentiable. `safe_gate` changes nothing here (it is a promise about the gate's range)."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if use_gate_in_kernel:
-        g = kda_gate(g, A_log.to(dtype), dt_bias.to(dtype), lower_bound)
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    grp = HV // H
-    q = q.repeat_interleave(grp, dim=2).reshape(B * T, HV, K)
-    k = k.repeat_interleave(grp, dim=2).reshape(B * T, HV, K)
-    v = v.reshape(B * T, HV, V)
-    g = g.reshape(B * T, HV, K)
-    beta = beta.reshape(B * T, HV)
-    if cu_seqlens is None:
-        bounds = [(b * T, (b + 1) * T) for b in range(B)]
-    else:
-        cu = [int(x) for x in cu_seqlens.tolist()]
-        bounds = list(zip(cu[:-1], cu[1:]))
-    outs, finals = [], []
-    for n, (bos, eos) in enumerate(bounds):
-        if initial_state is not None:
-            S = initial_state[n].to(dtype)
-            if transpose_state_layout:
-                S = S.transpose(-1, -2)
-        else:
-            S = torch.zeros(HV, K, V, dtype=dtype, device=q.device)
-        for t in range(bos, eos):
-            S = S * torch.exp(g[t])[:, :, None]
-            d = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", S, k[t]))
-            S = S + k[t][:, :, None] * d[:, None, :]
-            outs.append(scale * torch.einsum("hkv,hk->hv", S, q[t]))
-        finals.append(S.transpose(-1, -2) if transpose_state_layout else S)
-    o = torch.stack(outs, 0).reshape(B, T, HV, V) if outs else v.new_zeros(B, T, HV, V)
-    final = torch.stack(finals, 0) if output_final_state else None
-    return o, final
+        g = kda_gate(g.to(dtype), A_log.to(dtype), dt_bias.to(dtype), lower_bound)
+    return recurrence(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                      cu_seqlens=cu_seqlens, dtype=dtype, transpose_state_layout=transpose_state_layout)
