@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests._paths import ROOT
 
 
@@ -66,3 +68,46 @@ def assert_nonfinite_as_in_reference(run, reference, inp: dict, name: str, value
         bad_s, ref_bad_s = ~torch.isfinite(flat).all(-1), ~torch.isfinite(rflat).all(-1).to(o.device)  # [N, HV]
         same_s = (rflat == rht0.flatten(2)).all(-1).to(o.device)
         assert torch.equal(bad_s, ref_bad_s) and torch.equal(flat[same_s], ht0.flatten(2)[same_s]), (name, t)
+
+
+def assert_declared(op, name: str, selector: str, entry_points: tuple, prebuild_params: tuple) -> None:
+    """What every op's declaration shares: registered under `name` (in `cake.OPS`), variants det and fast with det
+    the default, built for sm_90a, selected by miles' `--<selector> cake`, with the given entry points and
+    prebuild parameters."""
+    from miles_ext_kernels import cake
+
+    assert op.name == name and cake.op_spec(name) is op and op in cake.OPS
+    assert op.variants == ("det", "fast") and op.default_variant == "det"
+    assert op.selected_by == ((selector, "cake"),)
+    assert op.entry_points == entry_points
+    assert op.prebuild_params == prebuild_params and op.archs == ("sm_90a",)
+
+
+# check_supported(head_k_dim, head_v_dim[, num_k_heads, num_v_heads]) of gdn and kda (one rule, the delta rule's):
+# what it refuses, as (args, exception, a word of the message)
+DELTA_RULE_REFUSED = [
+    ((256, 128), ValueError, "head_k_dim"),
+    ((128, 96), ValueError, "head_v_dim"),
+    ((128, 128, 3, 4), ValueError, "num_v_heads"),
+    ((128, 128, 0, 4), ValueError, "num_k_heads"),
+    ((True, 128), TypeError, "head_k_dim"),
+    ((128.0, 128), TypeError, "head_k_dim"),
+]
+
+
+def assert_delta_rule_accepts(check_supported) -> None:
+    """gdn's or kda's check_supported accepts every head dim pair of 16 .. 128, and GVA (16 key heads, 32 value)."""
+    for kd in (16, 32, 64, 128):
+        for vd in (16, 32, 64, 128):
+            check_supported(kd, vd)
+    check_supported(128, 128, 16, 32)
+
+
+def assert_raises_before_launch(call, operands: dict, change: dict, exc, word: str, positional: tuple) -> None:
+    """`call` on `operands` with `change` applied raises `exc` matching `word`; the names in `positional` go by
+    position (in that order), the rest by keyword. The caller has replaced the launchers by a failure."""
+    kw = dict(operands)
+    kw.update(change)
+    args = [kw.pop(n) for n in positional]
+    with pytest.raises(exc, match=word):
+        call(*args, **kw)

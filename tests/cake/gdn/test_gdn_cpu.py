@@ -8,7 +8,7 @@ import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
 from miles_ext_kernels.cake._runtime import varlen
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
-from tests.cake._helpers import assert_nonfinite_as_in_reference, record_cu_seqlens_checks
+from tests.cake._helpers import assert_nonfinite_as_in_reference, assert_raises_before_launch, record_cu_seqlens_checks
 
 pytestmark = pytest.mark.interpreter
 
@@ -205,11 +205,7 @@ def _args(T=8, H=1, HV=2, K=16, V=16, N=1):
 ])
 def test_bad_operands_raise_before_launch(change, exc, word, monkeypatch):
     monkeypatch.setattr(ops, "gdn_forward", lambda *a, **k: pytest.fail("launched"))
-    kw = _args()
-    kw.update(change)
-    args = [kw.pop(n) for n in ("q", "k", "v", "g", "beta")]
-    with pytest.raises(exc, match=word):
-        gdn.chunk_gated_delta_rule(*args, **kw)
+    assert_raises_before_launch(gdn.chunk_gated_delta_rule, _args(), change, exc, word, ("q", "k", "v", "g", "beta"))
 
 
 def test_torch_compile_fullgraph_traces():
