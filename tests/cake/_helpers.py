@@ -83,26 +83,6 @@ def assert_declared(op, name: str, selector: str, entry_points: tuple, prebuild_
     assert op.prebuild_params == prebuild_params and op.archs == ("sm_90a",)
 
 
-# check_supported(head_k_dim, head_v_dim[, num_k_heads, num_v_heads]) of gdn and kda (one rule, the delta rule's):
-# what it refuses, as (args, exception, a word of the message)
-DELTA_RULE_REFUSED = [
-    ((256, 128), ValueError, "head_k_dim"),
-    ((128, 96), ValueError, "head_v_dim"),
-    ((128, 128, 3, 4), ValueError, "num_v_heads"),
-    ((128, 128, 0, 4), ValueError, "num_k_heads"),
-    ((True, 128), TypeError, "head_k_dim"),
-    ((128.0, 128), TypeError, "head_k_dim"),
-]
-
-
-def assert_delta_rule_accepts(check_supported) -> None:
-    """gdn's or kda's check_supported accepts every head dim pair of 16 .. 128, and GVA (16 key heads, 32 value)."""
-    for kd in (16, 32, 64, 128):
-        for vd in (16, 32, 64, 128):
-            check_supported(kd, vd)
-    check_supported(128, 128, 16, 32)
-
-
 def assert_raises_before_launch(call, operands: dict, change: dict, exc, word: str, positional: tuple) -> None:
     """`call` on `operands` with `change` applied raises `exc` matching `word`; the names in `positional` go by
     position (in that order), the rest by keyword. The caller has replaced the launchers by a failure."""

@@ -1,16 +1,11 @@
-"""gdn declaration, check_supported and command-line flags: torch-free."""
+"""gdn declaration and command-line flags: torch-free (check_supported: tests/cake/test_delta_rule_arguments.py)."""
 
 import pytest
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
 from tests.cake._cli import assert_cli_option, parse_validated
-from tests.cake._helpers import (
-    DELTA_RULE_REFUSED,
-    assert_declared,
-    assert_delta_rule_accepts,
-    assert_import_is_torch_free,
-)
+from tests.cake._helpers import assert_declared, assert_import_is_torch_free
 
 
 def test_declaration():
@@ -31,16 +26,6 @@ def test_check_seqlens_flag():
 
 def test_import_is_torch_free():
     assert_import_is_torch_free("miles_ext_kernels.cake.gdn", "m.check_supported(128, 128, 16, 32)")
-
-
-def test_check_supported_accepts():
-    assert_delta_rule_accepts(gdn.check_supported)
-
-
-@pytest.mark.parametrize("args, exc, word", DELTA_RULE_REFUSED)
-def test_check_supported_rejects(args, exc, word):
-    with pytest.raises(exc, match=word):
-        gdn.check_supported(*args)
 
 
 def test_cli_defaults_and_option():

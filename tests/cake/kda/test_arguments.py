@@ -1,17 +1,12 @@
-"""kda declaration, check_supported and command-line flags (torch-free), and bad operands rejected before any launch."""
+"""kda declaration and command-line flags (torch-free; check_supported: tests/cake/test_delta_rule_arguments.py),
+and bad operands rejected before any launch."""
 
 import pytest
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
 from tests.cake._cli import assert_cli_option, parse_validated
-from tests.cake._helpers import (
-    DELTA_RULE_REFUSED,
-    assert_declared,
-    assert_delta_rule_accepts,
-    assert_import_is_torch_free,
-    assert_raises_before_launch,
-)
+from tests.cake._helpers import assert_declared, assert_import_is_torch_free, assert_raises_before_launch
 
 
 def test_declaration():
@@ -24,16 +19,6 @@ def test_declaration():
 
 def test_import_is_torch_free():
     assert_import_is_torch_free("miles_ext_kernels.cake.kda", "m.check_supported(128, 128, 32, 32)")
-
-
-def test_check_supported_accepts():
-    assert_delta_rule_accepts(kda.check_supported)
-
-
-@pytest.mark.parametrize("args, exc, word", DELTA_RULE_REFUSED)
-def test_check_supported_rejects(args, exc, word):
-    with pytest.raises(exc, match=word):
-        kda.check_supported(*args)
 
 
 def test_cli_defaults_option_and_deterministic_mode():
