@@ -1,0 +1,34 @@
+"""Operands, calls and checks shared by the two norms' tests (tests/cake/rmsnorm, tests/cake/gated_rmsnorm), on CPU
+and GPU."""
+import torch
+
+from miles_ext_kernels.cake._runtime.testing import check_budget
+
+BF, F32 = torch.bfloat16, torch.float32
+
+
+def norm_operands(shape, wdtype, seed=0, *, gated: bool, weight_mean: float, device="cpu") -> tuple:
+    """bf16 x (and, `gated`, z) of `shape`, a weight of `wdtype` over the last dim (weight_mean + 0.2 N(0, 1)) and a
+    bf16 dy, drawn in that order from one generator seeded `seed`, then moved to `device`."""
+    g = torch.Generator().manual_seed(seed)
+    xz = [torch.randn(shape, generator=g).to(BF) for _ in range(2 if gated else 1)]
+    w = 0.2 * torch.randn(shape[-1], generator=g)
+    if weight_mean:
+        w = weight_mean + w
+    dy = torch.randn(shape, generator=g).to(BF)
+    return tuple(t.to(device) for t in (*xz, w.to(wdtype), dy))
+
+
+def forward_backward(fn, operands, dy, *args, clone=()) -> tuple:
+    """`fn(*leaves, *args)` on leaves detached from `operands` (copied first at the positions in `clone`), then its
+    backward from `dy`: (y detached, each leaf's gradient)."""
+    leaves = [(t.detach().clone() if i in clone else t.detach()).requires_grad_(True) for i, t in enumerate(operands)]
+    y = fn(*leaves, *args)
+    y.backward(dy)
+    return (y.detach(), *(t.grad for t in leaves))
+
+
+def check_within(names, got, ref, budgets) -> dict:
+    """check_budget of each named tensor of `got` (brought to the CPU) against `ref` within `budgets[name]`; the
+    errors by name."""
+    return {name: check_budget(name, g.cpu(), r, budgets[name]) for name, g, r in zip(names, got, ref)}
