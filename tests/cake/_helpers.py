@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests._paths import ROOT
 
 
@@ -66,3 +68,26 @@ def assert_nonfinite_as_in_reference(run, reference, inp: dict, name: str, value
         bad_s, ref_bad_s = ~torch.isfinite(flat).all(-1), ~torch.isfinite(rflat).all(-1).to(o.device)  # [N, HV]
         same_s = (rflat == rht0.flatten(2)).all(-1).to(o.device)
         assert torch.equal(bad_s, ref_bad_s) and torch.equal(flat[same_s], ht0.flatten(2)[same_s]), (name, t)
+
+
+def assert_declared(op, name: str, selector: str, entry_points: tuple, prebuild_params: tuple) -> None:
+    """What every op's declaration shares: registered under `name` (in `cake.OPS`), variants det and fast with det
+    the default, built for sm_90a, selected by miles' `--<selector> cake`, with the given entry points and
+    prebuild parameters."""
+    from miles_ext_kernels import cake
+
+    assert op.name == name and cake.op_spec(name) is op and op in cake.OPS
+    assert op.variants == ("det", "fast") and op.default_variant == "det"
+    assert op.selected_by == ((selector, "cake"),)
+    assert op.entry_points == entry_points
+    assert op.prebuild_params == prebuild_params and op.archs == ("sm_90a",)
+
+
+def assert_raises_before_launch(call, operands: dict, change: dict, exc, word: str, positional: tuple) -> None:
+    """`call` on `operands` with `change` applied raises `exc` matching `word`; the names in `positional` go by
+    position (in that order), the rest by keyword. The caller has replaced the launchers by a failure."""
+    kw = dict(operands)
+    kw.update(change)
+    args = [kw.pop(n) for n in positional]
+    with pytest.raises(exc, match=word):
+        call(*args, **kw)

@@ -6,17 +6,13 @@ import pytest
 import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake import conv1d
-from tests.cake._cli import parse_validated
-from tests.cake._helpers import assert_import_is_torch_free
+from tests.cake._cli import assert_cli_option, parse_validated
+from tests.cake._helpers import assert_declared, assert_import_is_torch_free
 
 
 def test_declaration():
     op = conv1d.OP
-    assert op.name == "conv1d" and cake.op_spec("conv1d") is op
-    assert op.variants == ("det", "fast")
-    assert op.selected_by == (("linear_attention_conv_backend", "cake"),)
-    assert op.entry_points == ("causal_conv1d",)
-    assert op.prebuild_params == ("weight_dtype",)
+    assert_declared(op, "conv1d", "linear_attention_conv_backend", ("causal_conv1d",), ("weight_dtype",))
     flag = op.option("silu_grad_preactivation")
     assert flag.choices == ("bf16", "fp32") and flag.default == "bf16"
     assert "causal_conv1d" in cake.__all__
@@ -48,15 +44,8 @@ def test_check_supported_rejects(kwargs, word):
 
 
 def test_cli_defaults_and_option():
-    args = parse_validated("--linear-attention-conv-backend", "cake")
-    assert args.cake_conv1d_variant == "fast"  # miles' command-line default
-    assert args.cake_conv1d_silu_grad_preactivation == "bf16"
-    args = parse_validated("--linear-attention-conv-backend", "cake", "--cake-conv1d-silu-grad-preactivation",
-                           "fp32", "--cake-conv1d-variant", "det")
-    mek.configure(args)
-    from miles_ext_kernels.cake._runtime import config
-    assert config.variant("conv1d") == "det"
-    assert config.option("conv1d", "silu_grad_preactivation") == "fp32"
+    assert_cli_option("conv1d", ("--linear-attention-conv-backend", "cake"), "silu_grad_preactivation", "bf16",
+                      ("--cake-conv1d-silu-grad-preactivation", "fp32"), "fp32")
 
 
 def test_cli_deterministic_mode_resolves_det():

@@ -38,6 +38,12 @@ def run(x, w, dy, cu, activation="silu"):
     return y.detach(), x.grad, w.grad
 
 
+def _check(got, ref, dw_budget="dw32"):
+    """y, dx and dw of `got` within their budgets of the reference's `ref` (dw's budget: BUDGET[dw_budget])."""
+    for name, g, r in zip(("y", "dx", "dw"), got, ref):
+        check_budget(name, g, r, BUDGET[dw_budget if name == "dw" else name])
+
+
 CASES = [
     # name, T, D, W, cu_seqlens, activation, weight dtype
     ("1-token and short docs, D not a block multiple", 37, 40, 4, [0, 5, 6, 37], "silu", torch.float32),
@@ -54,11 +60,9 @@ def test_against_fp64_reference(case):
     x, w, dy = make(T, D, W, wdt)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64 if "int64" in name else torch.int32)
     y, dx, dw = run(x, w, dy, cu_t, act)
-    ry, rdx, rdw = causal_conv1d_ref_grads(x, w, dy, cu_t, act, round_preactivation=False)
     assert y.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16 and dw.dtype == wdt
-    check_budget("y", y, ry, BUDGET["y"])
-    check_budget("dx", dx, rdx, BUDGET["dx"])
-    check_budget("dw", dw, rdw, BUDGET["dw32" if wdt == torch.float32 else "dw16"])
+    _check((y, dx, dw), causal_conv1d_ref_grads(x, w, dy, cu_t, act, round_preactivation=False),
+           "dw32" if wdt == torch.float32 else "dw16")
 
 
 def test_four_rows_per_step_configs(monkeypatch):
@@ -68,11 +72,7 @@ def test_four_rows_per_step_configs(monkeypatch):
                                                           bwd=dict(cfg["bwd"], ROWS=4, CHUNK=8)))
     x, w, dy = make(23, 16, 4, seed=9)
     cu = torch.tensor([0, 3, 4, 13, 23], dtype=torch.int32)
-    y, dx, dw = run(x, w, dy, cu)
-    ry, rdx, rdw = causal_conv1d_ref_grads(x, w, dy, cu, "silu")
-    check_budget("y", y, ry, BUDGET["y"])
-    check_budget("dx", dx, rdx, BUDGET["dx"])
-    check_budget("dw", dw, rdw, BUDGET["dw32"])
+    _check(run(x, w, dy, cu), causal_conv1d_ref_grads(x, w, dy, cu, "silu"))
 
 
 def test_strided_and_misaligned_x():
@@ -81,11 +81,7 @@ def test_strided_and_misaligned_x():
     for off in (8, 3):  # 8 columns: 16-byte aligned, stride 3*16; 3 columns: odd start, copied
         x, w, dy = make(30, 16, 4, x_cols=48, x_off=off, seed=off)
         assert x.stride() == (48, 1)
-        y, dx, dw = run(x, w, dy, cu)
-        ry, rdx, rdw = causal_conv1d_ref_grads(x, w, dy, cu, "silu")
-        check_budget("y", y, ry, BUDGET["y"])
-        check_budget("dx", dx, rdx, BUDGET["dx"])
-        check_budget("dw", dw, rdw, BUDGET["dw32"])
+        _check(run(x, w, dy, cu), causal_conv1d_ref_grads(x, w, dy, cu, "silu"))
 
 
 def test_tiny_and_empty():

@@ -2,19 +2,15 @@
 
 import pytest
 
-import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake import gated_rmsnorm
-from tests.cake._cli import parse_validated
+from tests.cake._cli import assert_cli_variants
+from tests.cake._helpers import assert_declared
 
 
 def test_declaration():
-    op = gated_rmsnorm.OP
-    assert op is cake.op_spec("gated_rmsnorm") and op in cake.OPS
-    assert op.variants == ("det", "fast") and op.default_variant == "det"
-    assert op.selected_by == (("linear_attention_output_norm_backend", "cake"),)
-    assert op.entry_points == ("rmsnorm_silu_gate",)
-    assert op.prebuild_params == ("head_dim",) and op.archs == ("sm_90a",)
+    assert_declared(gated_rmsnorm.OP, "gated_rmsnorm", "linear_attention_output_norm_backend", ("rmsnorm_silu_gate",),
+                    ("head_dim",))
     assert gated_rmsnorm.rmsnorm_silu_gate.__doc__
     assert "tensor-parallel" in gated_rmsnorm.rmsnorm_silu_gate.__doc__
 
@@ -32,20 +28,8 @@ def test_refused(d, err):
         gated_rmsnorm.check_supported(d)
 
 
-def _parse(argv):
-    return parse_validated(*argv)
-
-
 def test_cli_flags():
-    sel = ["--linear-attention-output-norm-backend", "cake"]
-    assert _parse(sel).cake_gated_rmsnorm_variant == "fast"
-    assert _parse(sel + ["--deterministic-mode"]).cake_gated_rmsnorm_variant == "det"
-    assert _parse(sel + ["--cake-gated-rmsnorm-variant", "det"]).cake_gated_rmsnorm_variant == "det"
-    with pytest.raises(ValueError, match="gated_rmsnorm"):
-        _parse(["--cake-gated-rmsnorm-variant", "fast"])
-    with pytest.raises(ValueError, match="fast"):
-        _parse(sel + ["--deterministic-mode", "--cake-gated-rmsnorm-variant", "fast"])
-    mek.configure()
+    assert_cli_variants("gated_rmsnorm", ("--linear-attention-output-norm-backend", "cake"))
 
 
 def test_prebuild_params_checked_before_anything():

@@ -6,43 +6,27 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gated_rmsnorm as decl
+from miles_ext_kernels.cake._impl.gated_rmsnorm import configs, ops
 from miles_ext_kernels.cake._impl.gated_rmsnorm.reference import grads_ref
 from miles_ext_kernels.cake._runtime.operands import copies
-from miles_ext_kernels.cake._runtime.testing import check_budget
 from tests.cake._helpers import assert_demo_passes
+from tests.cake._norms import BF, F32, check_within, forward_backward, norm_operands
 
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.gated_rmsnorm.demo")
-ops = importlib.import_module("miles_ext_kernels.cake._impl.gated_rmsnorm.ops")
-configs = importlib.import_module("miles_ext_kernels.cake._impl.gated_rmsnorm.configs")
 
 pytestmark = pytest.mark.interpreter
-BF, F32 = torch.bfloat16, torch.float32
 
 
 def _inputs(shape, wdtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    D = shape[-1]
-    x = torch.randn(shape, generator=g).to(BF)
-    z = torch.randn(shape, generator=g).to(BF)
-    w = (1 + 0.2 * torch.randn(D, generator=g)).to(wdtype)
-    dy = torch.randn(shape, generator=g).to(BF)
-    return x, z, w, dy
+    return norm_operands(shape, wdtype, seed, gated=True, weight_mean=1)
 
 
 def _run(x, z, w, dy, eps=1e-6):
-    xr = x.detach().requires_grad_(True)
-    zr = z.detach().requires_grad_(True)
-    wr = w.detach().clone().requires_grad_(True)
-    y = decl.rmsnorm_silu_gate(xr, zr, wr, eps)
-    y.backward(dy)
-    return y.detach(), xr.grad, zr.grad, wr.grad
+    return forward_backward(decl.rmsnorm_silu_gate, (x, z, w), dy, eps, clone=(2,))
 
 
 def _check(x, z, w, dy, got, eps=1e-6):
-    ref = grads_ref(x, z, w, dy, eps)
-    b = demo_mod.budgets("cpu", w.dtype, x.numel())
-    for name, g, r in zip(("y", "dx", "dz", "dw"), got, ref):
-        check_budget(name, g, r, b[name])
+    check_within(("y", "dx", "dz", "dw"), got, grads_ref(x, z, w, dy, eps), demo_mod.budgets("cpu", w.dtype, x.numel()))
     assert got[0].dtype == BF and got[3].dtype == w.dtype and got[0].shape == x.shape
 
 

@@ -10,13 +10,12 @@ from miles_ext_kernels import cake
 from miles_ext_kernels.cake import gated_rmsnorm as decl
 from miles_ext_kernels.cake._impl.gated_rmsnorm.reference import grads_ref
 from miles_ext_kernels.cake._runtime.operands import copies
-from miles_ext_kernels.cake._runtime.testing import check_budget
 from tests.cake._helpers import assert_demo_passes
+from tests.cake._norms import BF, F32, check_within, forward_backward, norm_operands
 
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.gated_rmsnorm.demo")
 
 pytestmark = pytest.mark.gpu
-BF, F32 = torch.bfloat16, torch.float32
 DIMS = (128, 256)
 
 
@@ -27,29 +26,16 @@ def _built():
 
 
 def inputs(shape, wdtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g).to(BF)
-    z = torch.randn(shape, generator=g).to(BF)
-    w = (1 + 0.2 * torch.randn(shape[-1], generator=g)).to(wdtype)
-    dy = torch.randn(shape, generator=g).to(BF)
-    return x.cuda(), z.cuda(), w.cuda(), dy.cuda()
+    return norm_operands(shape, wdtype, seed, gated=True, weight_mean=1, device="cuda")
 
 
 def run(x, z, w, dy, eps=1e-6):
-    xr = x.detach().requires_grad_(True)
-    zr = z.detach().requires_grad_(True)
-    wr = w.detach().clone().requires_grad_(True)
-    y = decl.rmsnorm_silu_gate(xr, zr, wr, eps)
-    y.backward(dy)
-    return y.detach(), xr.grad, zr.grad, wr.grad
+    return forward_backward(decl.rmsnorm_silu_gate, (x, z, w), dy, eps, clone=(2,))
 
 
 def check(x, z, w, dy, got):
     ref = grads_ref(x.cpu(), z.cpu(), w.cpu(), dy.cpu())
-    b = demo_mod.budgets("cuda", w.dtype, x.numel())
-    errs = {}
-    for name, g, r in zip(("y", "dx", "dz", "dw"), got, ref):
-        errs[name] = check_budget(name, g.cpu(), r, b[name])
+    errs = check_within(("y", "dx", "dz", "dw"), got, ref, demo_mod.budgets("cuda", w.dtype, x.numel()))
     print("errors", tuple(x.shape), w.dtype, errs)
     return errs
 

@@ -8,7 +8,8 @@ import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
 from miles_ext_kernels.cake._runtime import varlen
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
-from tests.cake._helpers import assert_nonfinite_as_in_reference, record_cu_seqlens_checks
+from tests.cake._delta_rule import assert_nonfinite_as_in_demo_reference
+from tests.cake._helpers import assert_raises_before_launch, record_cu_seqlens_checks
 
 pytestmark = pytest.mark.interpreter
 
@@ -205,11 +206,7 @@ def _args(T=8, H=1, HV=2, K=16, V=16, N=1):
 ])
 def test_bad_operands_raise_before_launch(change, exc, word, monkeypatch):
     monkeypatch.setattr(ops, "gdn_forward", lambda *a, **k: pytest.fail("launched"))
-    kw = _args()
-    kw.update(change)
-    args = [kw.pop(n) for n in ("q", "k", "v", "g", "beta")]
-    with pytest.raises(exc, match=word):
-        gdn.chunk_gated_delta_rule(*args, **kw)
+    assert_raises_before_launch(gdn.chunk_gated_delta_rule, _args(), change, exc, word, ("q", "k", "v", "g", "beta"))
 
 
 def test_torch_compile_fullgraph_traces():
@@ -292,17 +289,7 @@ def test_nonfinite_token_reaches_only_later_rows(name, value):
     for q; only its value head for v, g, beta), never an earlier row of its chunk (the in-chunk products with causally
     masked matrices would spread it through 0 * NaN = NaN) nor the other document; every other row keeps its bits."""
     inp = demo_mod.make_inputs([70, 50], 1, 2, 16, 16, "cpu", l2=True, seed=6)
-
-    def run(x):
-        return gdn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                                          output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"])
-
-    def ref(x):
-        return reference.gdn_reference(*(x[n].double() for n in ("q", "k", "v", "g", "beta")),
-                                       initial_state=x["h0"].double(), output_final_state=True,
-                                       use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"])
-
-    assert_nonfinite_as_in_reference(run, ref, inp, name, value, (20, 70 + 30))
+    assert_nonfinite_as_in_demo_reference("gdn", inp, name, value, (20, 70 + 30))
 
 
 def test_routes_are_the_launchers_launches():

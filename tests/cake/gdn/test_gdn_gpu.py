@@ -3,9 +3,6 @@ fla 0.6.0's chunk_gated_delta_rule on the same inputs; det bits; no host sync.""
 import importlib
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -13,8 +10,7 @@ import torch
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
-from tests._paths import ROOT
-from tests.cake._helpers import assert_nonfinite_as_in_reference
+from tests.cake import _delta_rule as delta_rule
 
 pytestmark = pytest.mark.gpu
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
@@ -22,7 +18,6 @@ demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
 H, HV, K, V = 16, 32, 128, 128
 LENS = demo_mod.LENS_GPU  # documents shorter than a chunk, one chunk exactly, one token, several chunks
 BUDGETS = demo_mod.BUDGETS["cuda"]
-FWD = ("o", "ht")
 
 
 def fla_impl():
@@ -58,18 +53,7 @@ def case():
 
 def test_accuracy_vs_fp64_and_fla(case):
     inp, ours, ref, peer = case
-    rows = {}
-    for name in ours:
-        err = rel_rms(ours[name], ref[name])
-        wrong = rel_rms(ours[name].double() * 1.02, ref[name])
-        peer_err = rel_rms(peer[name], ref[name]) if peer is not None else float("nan")
-        rows[name] = dict(ours=err, fla=peer_err, ours_x102=wrong, budget=BUDGETS[name])
-    print("\nGDN_ACCURACY " + json.dumps(rows))
-    for name in ours:
-        budget = BUDGETS[name]
-        if peer is not None and name in FWD:
-            budget = min(budget, 1.1 * rows[name]["fla"])
-        check_budget(name, ours[name], ref[name], budget)
+    delta_rule.check_against_fp64_and_peer("GDN_ACCURACY", ours, ref, peer, BUDGETS)
 
 
 @pytest.mark.parametrize("narrow_below", [0, 1 << 30])
@@ -90,53 +74,26 @@ def test_state_tiles_wide_and_narrow_within_budgets(case, narrow_below, monkeypa
 
 def test_det_bits_repeat_variants_side_stream_pool(case):
     inp, ours, _, _ = case
-    again = demo_mod.run_impl(inp, l2=True)
-    mek.configure(gdn_variant="fast", gdn_recompute_state=True, workspace_pool_bytes=1 << 31)
-    fast = demo_mod.run_impl(inp, l2=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        side = demo_mod.run_impl(inp, l2=True)
-        side_again = demo_mod.run_impl(inp, l2=True)  # pooled buffers reused
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    mek.configure()
-    for name in ours:
-        for other in (again, fast, side, side_again):
-            assert torch.equal(ours[name], other[name]), name
+    fast = dict(gdn_variant="fast", gdn_recompute_state=True, workspace_pool_bytes=1 << 31)
+    delta_rule.assert_det_bits_again_fast_side_stream_pool(lambda: demo_mod.run_impl(inp, l2=True), ours, fast)
 
 
 def test_fresh_process_same_bits(case, tmp_path):
     inp, ours, _, _ = case
-    path = str(tmp_path / "bits.pt")
-    script = textwrap.dedent(f"""
-        import importlib, torch
-        d = importlib.import_module("miles_ext_kernels.cake._impl.gdn.demo")
-        inp = d.make_inputs({LENS!r}, {H}, {HV}, {K}, {V}, "cuda", seed=0, l2=True)
-        torch.save({{n: t.cpu() for n, t in d.run_impl(inp, l2=True).items()}}, {path!r})
-    """)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    there = torch.load(path)
-    for name in ours:
-        assert torch.equal(ours[name].cpu(), there[name]), name
+    delta_rule.assert_fresh_process_same_bits("gdn", ours, tmp_path,
+                                              f"{LENS!r}, {H}, {HV}, {K}, {V}, 'cuda', seed=0, l2=True", True)
 
 
 def test_no_host_sync(case):
     inp, _, _, _ = case
     leaves = {n: inp[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "h0")}
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+
+    def step():
         o, ht = gdn.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
                                            initial_state=leaves["h0"], output_final_state=True,
                                            use_qk_l2norm_in_kernel=True, cu_seqlens=inp["cu"])
         torch.autograd.backward((o, ht), (inp["do"], inp["dht"]))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    delta_rule.assert_no_host_sync(step)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
@@ -146,39 +103,12 @@ def test_nonfinite_token_reaches_only_later_rows(name, value):
     shorter than a chunk, the second chunk of a longer one, a document of exactly one chunk) makes o and the final
     states non-finite exactly where the FP64 per-token recurrence is, and leaves every other row's bits alone."""
     inp = demo_mod.make_inputs([40, 300, 64], 2, 4, K, V, "cuda", seed=7, l2=True)
-
-    def run(x):
-        return gdn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                                          output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"])
-
-    def ref(x):
-        reference = importlib.import_module("miles_ext_kernels.cake._impl.gdn.reference")
-        return reference.gdn_reference(*(x[n].double() for n in ("q", "k", "v", "g", "beta")),
-                                       initial_state=x["h0"].double(), output_final_state=True,
-                                       use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"])
-
-    assert_nonfinite_as_in_reference(run, ref, inp, name, value, (20, 40 + 64 + 30, 340 + 31))
+    delta_rule.assert_nonfinite_as_in_demo_reference("gdn", inp, name, value, (20, 40 + 64 + 30, 340 + 31))
 
 
 def test_batch_without_cu_seqlens_no_l2():
-    gen = torch.Generator().manual_seed(5)
-    B, T, Hh = 2, 300, 4
-    q = torch.nn.functional.normalize(torch.randn(B, T, Hh, K, generator=gen), dim=-1).to(torch.bfloat16).cuda()
-    k = torch.nn.functional.normalize(torch.randn(B, T, Hh, K, generator=gen), dim=-1).to(torch.bfloat16).cuda()
-    v = torch.randn(B, T, Hh, V, generator=gen).to(torch.bfloat16).cuda()
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, Hh, generator=gen)).cuda()
-    beta = torch.rand(B, T, Hh, generator=gen).cuda()
-    do = torch.randn(B, T, Hh, V, generator=gen).to(torch.bfloat16).cuda()
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
-    o, ht = gdn.chunk_gated_delta_rule(*leaves)
-    assert ht is None
-    o.backward(do)
-    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, g, beta)]
     from miles_ext_kernels.cake._impl.gdn.reference import gdn_reference
-    ro, _ = gdn_reference(*ref_leaves)
-    ro.backward(do.double())
-    pairs = {"o": (o, ro)}
-    pairs.update({n: (a.grad, b.grad) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves, ref_leaves)})
-    print("\nGDN_BATCH " + json.dumps({n: rel_rms(a, b) for n, (a, b) in pairs.items()}))
-    for n, (got, ref) in pairs.items():
-        check_budget(n, got, ref, BUDGETS[n])  # within budget, and the budget rejects a 2 % error
+    got, ref = delta_rule.run_batch_without_cu_seqlens(gdn.chunk_gated_delta_rule, gdn_reference, K, V)
+    print("\nGDN_BATCH " + json.dumps({n: rel_rms(got[n], ref[n]) for n in got}))
+    for n in got:
+        check_budget(n, got[n], ref[n], BUDGETS[n])  # within budget, and the budget rejects a 2 % error

@@ -3,10 +3,9 @@ fresh processes that share a cache directory (see tests/cake/_prebuild.py)."""
 import importlib
 
 import pytest
-import torch
 
 import miles_ext_kernels as mek
-from tests.cake._prebuild import check_prebuild_here_and_on_a_node
+from tests.cake._prebuild import backward_keeping_det_bits, check_prebuild_here_and_on_a_node, over_state_tiles
 
 pytestmark = pytest.mark.gpu
 
@@ -15,16 +14,7 @@ def every_route():
     """Calls that launch every route: with / without initial state, final state, dht, L2 norm; det and fast;
     kept and recomputed states; int32 and int64 cu_seqlens; the state kernels' wide and narrow tiles. Returns the
     det bits."""
-    configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
-    narrow_below = configs.NARROW_BELOW
-    out = {}
-    try:
-        for tiles, below in (("wide", 0), ("narrow", 1 << 30)):  # 2 docs x 4 heads: narrow under the real threshold
-            configs.NARROW_BELOW = below
-            out.update({f"{tiles}/{k}": v for k, v in _calls().items()})
-    finally:
-        configs.NARROW_BELOW = narrow_below
-    return out
+    return over_state_tiles("gdn", _calls)
 
 
 def _calls():
@@ -45,19 +35,9 @@ def _calls():
                                                        leaves["beta"], initial_state=leaves.get("h0"),
                                                        output_final_state=final, use_qk_l2norm_in_kernel=l2,
                                                        cu_seqlens=inp["cu"] if variant == "det" else inp["cu"].long())
-                    outs, grads = [o], [inp["do"]]
-                    if final:
-                        outs.append(ht)
-                        grads.append(inp["dht"])
-                    torch.autograd.backward(outs, grads)
-                    if variant == "det":
-                        key = f"l2={l2}/h0={h0}/final={final}"
-                        out[key + "/o"] = o.detach().cpu()
-                        for n, t in leaves.items():
-                            out[key + "/d" + n] = t.grad.cpu()
-    mek.configure()
-    torch.cuda.synchronize()
-    return out
+                    backward_keeping_det_bits(out, f"l2={l2}/h0={h0}/final={final}", variant, o, ht, leaves, inp,
+                                              final)
+    return out  # every_route_bits (tests/cake/_prebuild.py) configures the defaults again and syncs
 
 
 def test_prebuild_then_no_build_here_and_in_fresh_processes(tmp_path):

@@ -8,17 +8,13 @@ import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake import gqa
 from tests.cake._cli import parse_validated
-from tests.cake._helpers import assert_import_is_torch_free
+from tests.cake._helpers import assert_declared, assert_import_is_torch_free
 
 
 def test_declaration():
     op = gqa.OP
-    assert op is cake.op_spec("gqa") and op in cake.OPS
-    assert op.variants == ("det", "fast") and op.default_variant == "det"
-    assert op.selected_by == (("full_attention_backend", "cake"),)
-    assert op.entry_points == ("varlen_gqa_attention",)
+    assert_declared(op, "gqa", "full_attention_backend", ("varlen_gqa_attention",), ())
     assert [f.name for f in op.options] == ["check_seqlens"] and op.options[0].is_bool
-    assert op.prebuild_params == () and op.archs == ("sm_90a",)
     assert gqa.varlen_gqa_attention.__doc__ and cake.varlen_gqa_attention is gqa.varlen_gqa_attention
 
 

@@ -244,19 +244,15 @@ def test_check_seqlens_option():
     decl.varlen_gqa_attention(q, k, v, cq, ck, max_seqlen_k=12)
     with pytest.raises(ValueError, match="max_seqlen_k"):
         decl.varlen_gqa_attention(q, k, v, cq, ck, max_seqlen_k=11)
-    bad = cq.clone()
-    bad[0] = 1
-    with pytest.raises(ValueError, match="cu_seqlens_q"):
-        decl.varlen_gqa_attention(q, k, v, bad, ck, max_seqlen_k=12)
-    bad = ck.clone()
-    bad[1] = 15
-    bad[2] = 14
-    with pytest.raises(ValueError, match="cu_seqlens_k"):
-        decl.varlen_gqa_attention(q, k, v, cq, bad, max_seqlen_k=20)
-    bad = ck.clone()
-    bad[2] = 40
-    with pytest.raises(ValueError, match="cu_seqlens_k"):
-        decl.varlen_gqa_attention(q, k, v, cq, bad, max_seqlen_k=40)
+    # (the boundaries changed, {index: value}, max_seqlen_k): a start not 0, falling boundaries, an end past T
+    for which, edits, max_k in (("cu_seqlens_q", {0: 1}, 12), ("cu_seqlens_k", {1: 15, 2: 14}, 20),
+                                ("cu_seqlens_k", {2: 40}, 40)):
+        cu = dict(cu_seqlens_q=cq, cu_seqlens_k=ck)
+        cu[which] = cu[which].clone()
+        for i, value in edits.items():
+            cu[which][i] = value
+        with pytest.raises(ValueError, match=which):
+            decl.varlen_gqa_attention(q, k, v, cu["cu_seqlens_q"], cu["cu_seqlens_k"], max_seqlen_k=max_k)
 
 
 def _bad_calls():

@@ -1,21 +1,17 @@
-"""kda declaration, check_supported and command-line flags (torch-free), and bad operands rejected before any launch."""
+"""kda declaration and command-line flags (torch-free; check_supported: tests/cake/test_delta_rule_arguments.py),
+and bad operands rejected before any launch."""
 
 import pytest
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
-from miles_ext_kernels.cake._runtime import registry
-from tests.cake._cli import parse_validated
-from tests.cake._helpers import assert_import_is_torch_free
+from tests.cake._cli import assert_cli_option, parse_validated
+from tests.cake._helpers import assert_declared, assert_import_is_torch_free, assert_raises_before_launch
 
 
 def test_declaration():
     op = kda.OP
-    assert op.name == "kda" and registry.op_spec("kda") is op
-    assert op.variants == ("det", "fast")
-    assert op.selected_by == (("kda_backend", "cake"),)
-    assert op.entry_points == ("chunk_kda",)
-    assert op.prebuild_params == ("head_k_dim", "head_v_dim")
+    assert_declared(op, "kda", "kda_backend", ("chunk_kda",), ("head_k_dim", "head_v_dim"))
     flag = op.option("check_seqlens")
     assert flag.is_bool and flag.default is False
     assert [f.name for f in op.options] == ["check_seqlens"]
@@ -25,34 +21,8 @@ def test_import_is_torch_free():
     assert_import_is_torch_free("miles_ext_kernels.cake.kda", "m.check_supported(128, 128, 32, 32)")
 
 
-def test_check_supported_accepts():
-    for kd in (16, 32, 64, 128):
-        for vd in (16, 32, 64, 128):
-            kda.check_supported(kd, vd)
-    kda.check_supported(128, 128, 16, 32)
-
-
-@pytest.mark.parametrize("args, exc, word", [
-    ((256, 128), ValueError, "head_k_dim"),
-    ((128, 96), ValueError, "head_v_dim"),
-    ((128, 128, 3, 4), ValueError, "num_v_heads"),
-    ((128, 128, 0, 4), ValueError, "num_k_heads"),
-    ((True, 128), TypeError, "head_k_dim"),
-    ((128.0, 128), TypeError, "head_k_dim"),
-])
-def test_check_supported_rejects(args, exc, word):
-    with pytest.raises(exc, match=word):
-        kda.check_supported(*args)
-
-
 def test_cli_defaults_option_and_deterministic_mode():
-    args = parse_validated("--kda-backend", "cake")
-    assert args.cake_kda_variant == "fast"  # miles' command-line default
-    assert args.cake_kda_check_seqlens is False
-    args = parse_validated("--kda-backend", "cake", "--cake-kda-check-seqlens", "--cake-kda-variant", "det")
-    mek.configure(args)
-    from miles_ext_kernels.cake._runtime import config
-    assert config.variant("kda") == "det" and config.option("kda", "check_seqlens") is True
+    assert_cli_option("kda", ("--kda-backend", "cake"), "check_seqlens", False, ("--cake-kda-check-seqlens",), True)
     assert parse_validated("--kda-backend", "cake", "--deterministic-mode").cake_kda_variant == "det"
     with pytest.raises(ValueError):
         parse_validated("--cake-kda-check-seqlens")  # an option without its selector
@@ -138,8 +108,4 @@ def test_bad_operands_raise_before_launch(change, exc, word, monkeypatch):
     core = importlib.import_module("miles_ext_kernels.cake._impl.delta_rule.launchers")
     for mod in (ops, core, varlen):  # every launch of a kda call goes through one of these names
         monkeypatch.setattr(mod, "launch", lambda *a, **k: pytest.fail("launched"))
-    kw = _args()
-    kw.update(change)
-    args = [kw.pop(n) for n in ("q", "k", "v", "g", "beta")]
-    with pytest.raises(exc, match=word):
-        kda.chunk_kda(*args, **kw)
+    assert_raises_before_launch(kda.chunk_kda, _args(), change, exc, word, ("q", "k", "v", "g", "beta"))

@@ -6,7 +6,8 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
-from tests.cake._helpers import assert_nonfinite_as_in_reference, record_cu_seqlens_checks
+from tests.cake._delta_rule import assert_nonfinite_as_in_demo_reference
+from tests.cake._helpers import record_cu_seqlens_checks
 
 pytestmark = pytest.mark.interpreter
 
@@ -168,19 +169,8 @@ def test_strong_and_mild_decays(case):
 
 
 def _nonfinite_case(name, value, gate, seed):
-    reference = importlib.import_module("miles_ext_kernels.cake._impl.kda.reference")
     inp = demo_mod.make_inputs([70, 50], 1, 2, 16, 16, "cpu", gate=gate, trans=gate == "safe", seed=seed)
-
-    def run(x):
-        return kda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], A_log=x["A_log"],
-                             dt_bias=x["dt_bias"], **demo_mod._kwargs(x, True, True, True))
-
-    def ref(x):
-        return reference.kda_reference(*(x[n].double() for n in ("q", "k", "v", "g", "beta")),
-                                       initial_state=x["h0"].double(), A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                       **demo_mod._kwargs(x, True, True, True))
-
-    assert_nonfinite_as_in_reference(run, ref, inp, name, value, (20, 70 + 30))
+    assert_nonfinite_as_in_demo_reference("kda", inp, name, value, (20, 70 + 30))
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])

@@ -5,17 +5,13 @@ import importlib
 import inspect
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
-from tests._paths import ROOT
-from tests.cake._helpers import assert_nonfinite_as_in_reference
+from tests.cake import _delta_rule as delta_rule
 
 pytestmark = pytest.mark.gpu
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.kda.demo")
@@ -23,7 +19,6 @@ demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.kda.demo")
 H, HV, K, V = 32, 32, 128, 128
 LENS = demo_mod.LENS_GPU  # documents shorter than a chunk, one chunk exactly, one token, several chunks
 BUDGETS = demo_mod.BUDGETS["cuda"]
-FWD = ("o", "ht")
 CASE = dict(gate="safe", trans=True, l2=True)  # Kimi-K3's call in miles
 
 
@@ -75,24 +70,13 @@ def case():
     return inp, l2, ours, ref, peer
 
 
-def _report(tag, ours, ref, peer):
-    rows = {}
-    for name in ours:
-        rows[name] = dict(ours=demo_mod.error(name, ours[name], ref),
-                          fla=demo_mod.error(name, peer[name], ref) if peer is not None else float("nan"),
-                          ours_x102=demo_mod.error(name, ours[name].double() * 1.02, ref), budget=BUDGETS[name])
-    print(f"\n{tag} " + json.dumps(rows))
-    return rows
+def _check(tag, ours, ref, peer):
+    delta_rule.check_against_fp64_and_peer(tag, ours, ref, peer, BUDGETS, demo_mod.error, demo_mod.check_budget)
 
 
 def test_accuracy_vs_fp64_and_fla(case):
     inp, l2, ours, ref, peer = case
-    rows = _report("KDA_ACCURACY", ours, ref, peer)
-    for name in ours:
-        budget = BUDGETS[name]
-        if peer is not None and name in FWD:
-            budget = min(budget, 1.1 * rows[name]["fla"])
-        demo_mod.check_budget(name, ours[name], ref, budget)
+    _check("KDA_ACCURACY", ours, ref, peer)
 
 
 @pytest.mark.parametrize("gate", ["pre", "softplus"])
@@ -104,30 +88,13 @@ def test_other_gates_within_budgets(gate):
     ref = demo_mod.run_reference(inp, l2=l2, device="cuda")
     fla = fla_impl()
     peer = demo_mod.run_impl(inp, l2=l2, impl=fla) if fla is not None else None
-    rows = _report(f"KDA_ACCURACY_{gate.upper()}", ours, ref, peer)
-    for name in ours:
-        budget = BUDGETS[name]
-        if peer is not None and name in FWD:
-            budget = min(budget, 1.1 * rows[name]["fla"])
-        demo_mod.check_budget(name, ours[name], ref, budget)
+    _check(f"KDA_ACCURACY_{gate.upper()}", ours, ref, peer)
 
 
 def test_det_bits_repeat_variants_side_stream_pool(case):
     inp, l2, ours, _, _ = case
-    again = demo_mod.run_impl(inp, l2=l2)
-    mek.configure(kda_variant="fast", workspace_pool_bytes=1 << 31)
-    fast = demo_mod.run_impl(inp, l2=l2)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        side = demo_mod.run_impl(inp, l2=l2)
-        side_again = demo_mod.run_impl(inp, l2=l2)  # pooled buffers reused
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    mek.configure()
-    for name in ours:
-        for other in (again, fast, side, side_again):
-            assert torch.equal(ours[name], other[name]), name
+    fast = dict(kda_variant="fast", workspace_pool_bytes=1 << 31)
+    delta_rule.assert_det_bits_again_fast_side_stream_pool(lambda: demo_mod.run_impl(inp, l2=l2), ours, fast)
 
 
 def test_document_bits_do_not_depend_on_packing(case, monkeypatch):
@@ -155,38 +122,22 @@ def test_document_bits_do_not_depend_on_packing(case, monkeypatch):
 
 def test_fresh_process_same_bits(case, tmp_path):
     inp, l2, ours, _, _ = case
-    path = str(tmp_path / "bits.pt")
-    script = textwrap.dedent(f"""
-        import importlib, torch
-        d = importlib.import_module("miles_ext_kernels.cake._impl.kda.demo")
-        inp = d.make_inputs({LENS!r}, {H}, {HV}, {K}, {V}, "cuda", seed=0, l2={l2}, gate={CASE['gate']!r},
-                            trans={CASE['trans']})
-        torch.save({{n: t.cpu() for n, t in d.run_impl(inp, l2={l2}).items()}}, {path!r})
-    """)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    there = torch.load(path)
-    for name in ours:
-        assert torch.equal(ours[name].cpu(), there[name]), name
+    args = f"{LENS!r}, {H}, {HV}, {K}, {V}, 'cuda', seed=0, l2={l2}, gate={CASE['gate']!r}, trans={CASE['trans']}"
+    delta_rule.assert_fresh_process_same_bits("kda", ours, tmp_path, args, l2)
 
 
 def test_no_host_sync(case):
     inp, l2, _, _, _ = case
     leaves = {n: inp[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")}
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+
+    def step():
         o, ht = kda.chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
                               initial_state=leaves["h0"], output_final_state=True, use_qk_l2norm_in_kernel=l2,
                               use_gate_in_kernel=True, A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
                               safe_gate=True, lower_bound=demo_mod.SAFE_LB, transpose_state_layout=True,
                               cu_seqlens=inp["cu"])
         torch.autograd.backward((o, ht), (inp["do"], inp["dht"]))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    delta_rule.assert_no_host_sync(step)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
@@ -196,42 +147,13 @@ def test_nonfinite_token_reaches_only_later_rows(name, value):
     beta at one token in the middle of a chunk (a document shorter than a chunk, the second chunk of a longer one, a
     document of exactly one chunk) makes o and the final states non-finite exactly where the FP64 per-token
     recurrence is, and every row the change does not reach keeps its bits."""
-    reference = importlib.import_module("miles_ext_kernels.cake._impl.kda.reference")
     inp = demo_mod.make_inputs([40, 300, 64], 2, 4, K, V, "cuda", seed=9, gate="safe", trans=True, l2=True)
-
-    def run(x):
-        return kda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], A_log=x["A_log"],
-                             dt_bias=x["dt_bias"], **demo_mod._kwargs(x, True, True, True))
-
-    def ref(x):
-        return reference.kda_reference(*(x[n].double() for n in ("q", "k", "v", "g", "beta")),
-                                       initial_state=x["h0"].double(), A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                       **demo_mod._kwargs(x, True, True, True))
-
-    assert_nonfinite_as_in_reference(run, ref, inp, name, value, (20, 40 + 64 + 30, 340 + 31))
+    delta_rule.assert_nonfinite_as_in_demo_reference("kda", inp, name, value, (20, 40 + 64 + 30, 340 + 31))
 
 
 def test_batch_without_cu_seqlens_no_l2():
-    gen = torch.Generator().manual_seed(5)
-    B, T, Hh = 2, 300, 4
-    q = torch.nn.functional.normalize(torch.randn(B, T, Hh, K, generator=gen), dim=-1).to(torch.bfloat16).cuda()
-    k = torch.nn.functional.normalize(torch.randn(B, T, Hh, K, generator=gen), dim=-1).to(torch.bfloat16).cuda()
-    v = torch.randn(B, T, Hh, V, generator=gen).to(torch.bfloat16).cuda()
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, Hh, K, generator=gen) + 1.0).cuda()
-    beta = torch.rand(B, T, Hh, generator=gen).cuda()
-    do = torch.randn(B, T, Hh, V, generator=gen).to(torch.bfloat16).cuda()
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
-    o, ht = kda.chunk_kda(*leaves)
-    assert ht is None
-    o.backward(do)
-    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, g, beta)]
     from miles_ext_kernels.cake._impl.kda.reference import kda_reference
-    ro, _ = kda_reference(*ref_leaves)
-    ro.backward(do.double())
-    ref = {"o": ro.detach()}
-    ref.update({n: b.grad for n, b in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_leaves)})
-    got = {"o": o.detach()}
-    got.update({n: a.grad for n, a in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves)})
+    got, ref = delta_rule.run_batch_without_cu_seqlens(kda.chunk_kda, kda_reference, K, V, (K,), 1.0)
     print("\nKDA_BATCH " + json.dumps({n: demo_mod.error(n, got[n], ref) for n in got}))
     for n in got:
         demo_mod.check_budget(n, got[n], ref, BUDGETS[n])  # within budget, and the budget rejects a 2 % error

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import miles_ext_kernels as mek
-from tests.cake._prebuild import check_prebuild_here_and_on_a_node
+from tests.cake._prebuild import backward_keeping_det_bits, check_prebuild_here_and_on_a_node, over_state_tiles
 
 pytestmark = pytest.mark.gpu
 
@@ -19,16 +19,7 @@ def every_route():
     """Calls that launch every route: each gate kind and raw-gate dtype; with / without L2 norm, initial state, final
     state (and dht) in both state layouts; det (int32 cu_seqlens) and fast (int64); the state kernels' wide and
     narrow tiles. Returns the det bits."""
-    configs = importlib.import_module("miles_ext_kernels.cake._impl.kda.configs")
-    narrow_below = configs.NARROW_BELOW
-    out = {}
-    try:
-        for tiles, below in (("wide", 0), ("narrow", 1 << 30)):  # 2 docs x 4 heads: narrow under the real threshold
-            configs.NARROW_BELOW = below
-            out.update({f"{tiles}/{k}": v for k, v in _calls().items()})
-    finally:
-        configs.NARROW_BELOW = narrow_below
-    return out
+    return over_state_tiles("kda", _calls)
 
 
 def _combos():
@@ -59,19 +50,9 @@ def _calls():
                                   A_log=leaves.get("A_log"), dt_bias=leaves.get("dt_bias"), safe_gate=gate == "safe",
                                   lower_bound=inp["lower_bound"], transpose_state_layout=trans,
                                   cu_seqlens=inp["cu"] if variant == "det" else inp["cu"].long())
-            outs, grads = [o], [inp["do"]]
-            if final:
-                outs.append(ht)
-                grads.append(inp["dht"])
-            torch.autograd.backward(outs, grads)
-            if variant == "det":
-                key = f"{gate}/{str(gdt)[6:]}/l2={l2}/h0={h0}/final={final}/trans={trans}"
-                out[key + "/o"] = o.detach().cpu()
-                for n, t in leaves.items():
-                    out[key + "/d" + n] = t.grad.cpu()
-    mek.configure()
-    torch.cuda.synchronize()
-    return out
+            key = f"{gate}/{str(gdt)[6:]}/l2={l2}/h0={h0}/final={final}/trans={trans}"
+            backward_keeping_det_bits(out, key, variant, o, ht, leaves, inp, final)
+    return out  # every_route_bits (tests/cake/_prebuild.py) configures the defaults again and syncs
 
 
 def test_prebuild_then_no_build_here_and_in_fresh_processes(tmp_path):

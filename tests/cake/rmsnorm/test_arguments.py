@@ -2,19 +2,15 @@
 
 import pytest
 
-import miles_ext_kernels as mek
 from miles_ext_kernels import cake
 from miles_ext_kernels.cake import rmsnorm
-from tests.cake._cli import parse_validated
+from tests.cake._cli import assert_cli_variants, parse_validated
+from tests.cake._helpers import assert_declared
 
 
 def test_declaration():
-    op = rmsnorm.OP
-    assert op is cake.op_spec("rmsnorm") and op in cake.OPS
-    assert op.variants == ("det", "fast") and op.default_variant == "det"
-    assert op.selected_by == (("linear_attention_input_norm", "cake"),)
-    assert op.entry_points == ("ZeroCenteredRMSNorm", "zero_centered_rmsnorm")
-    assert op.prebuild_params == ("hidden_size",) and op.archs == ("sm_90a",)
+    assert_declared(rmsnorm.OP, "rmsnorm", "linear_attention_input_norm",
+                    ("ZeroCenteredRMSNorm", "zero_centered_rmsnorm"), ("hidden_size",))
     assert rmsnorm.zero_centered_rmsnorm.__doc__ and rmsnorm.ZeroCenteredRMSNorm.__doc__
 
 
@@ -31,24 +27,10 @@ def test_refused(h, err):
         rmsnorm.check_supported(h)
 
 
-def _parse(argv):
-    return parse_validated(*argv)
-
-
 def test_cli_flags():
-    args = _parse(["--linear-attention-input-norm", "cake"])
-    assert args.cake_rmsnorm_variant == "fast"  # miles' command-line default
-    args = _parse(["--linear-attention-input-norm", "cake", "--deterministic-mode"])
-    assert args.cake_rmsnorm_variant == "det"
-    args = _parse(["--linear-attention-input-norm", "cake", "--cake-rmsnorm-variant", "det"])
-    assert args.cake_rmsnorm_variant == "det"
-    with pytest.raises(ValueError, match="rmsnorm"):
-        _parse(["--cake-rmsnorm-variant", "det"])  # variant without the selector
-    with pytest.raises(ValueError, match="fast"):
-        _parse(["--linear-attention-input-norm", "cake", "--deterministic-mode", "--cake-rmsnorm-variant", "fast"])
+    assert_cli_variants("rmsnorm", ("--linear-attention-input-norm", "cake"))
     with pytest.raises(SystemExit):
-        _parse(["--linear-attention-input-norm", "cake", "--cake-rmsnorm-variant", "exact"])
-    mek.configure()
+        parse_validated("--linear-attention-input-norm", "cake", "--cake-rmsnorm-variant", "exact")
 
 
 def test_prebuild_params_checked_before_anything():

@@ -6,43 +6,28 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import rmsnorm as decl
+from miles_ext_kernels.cake._impl.rmsnorm import configs, ops
 from miles_ext_kernels.cake._impl.rmsnorm.reference import grads_ref, zero_centered_rmsnorm_ref
 from miles_ext_kernels.cake._runtime.operands import copies
-from miles_ext_kernels.cake._runtime.testing import check_budget
 from tests.cake._helpers import assert_demo_passes
+from tests.cake._norms import BF, F32, check_within, forward_backward, norm_operands
 
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.rmsnorm.demo")
-ops = importlib.import_module("miles_ext_kernels.cake._impl.rmsnorm.ops")
-configs = importlib.import_module("miles_ext_kernels.cake._impl.rmsnorm.configs")
 
 pytestmark = pytest.mark.interpreter
-BF, F32 = torch.bfloat16, torch.float32
 
 
 def _inputs(shape, wdtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    H = shape[-1]
-    x = torch.randn(shape, generator=g).to(BF)
-    w = (0.2 * torch.randn(H, generator=g)).to(wdtype)
-    dy = torch.randn(shape, generator=g).to(BF)
-    return x, w, dy
+    return norm_operands(shape, wdtype, seed, gated=False, weight_mean=0)
 
 
 def _run(x, w, dy, eps=1e-6):
-    xr = x.detach().clone().requires_grad_(True) if x.is_contiguous() else x.detach().requires_grad_(True)
-    wr = w.detach().clone().requires_grad_(True)
-    y = decl.zero_centered_rmsnorm(xr, wr, eps)
-    y.backward(dy)
-    return y.detach(), xr.grad, wr.grad
+    return forward_backward(decl.zero_centered_rmsnorm, (x, w), dy, eps, clone=(0, 1) if x.is_contiguous() else (1,))
 
 
 def _check(x, w, dy, got, eps=1e-6):
+    check_within(("y", "dx", "dw"), got, grads_ref(x, w, dy, eps), demo_mod.budgets("cpu", w.dtype, x.numel()))
     y, dx, dw = got
-    ry, rdx, rdw = grads_ref(x, w, dy, eps)
-    b = demo_mod.budgets("cpu", w.dtype, x.numel())
-    check_budget("y", y, ry, b["y"])
-    check_budget("dx", dx, rdx, b["dx"])
-    check_budget("dw", dw, rdw, b["dw"])
     assert y.dtype == BF and dx.dtype == BF and dw.dtype == w.dtype
 
 

@@ -9,13 +9,12 @@ from miles_ext_kernels import cake
 from miles_ext_kernels.cake import rmsnorm as decl
 from miles_ext_kernels.cake._impl.rmsnorm.reference import grads_ref
 from miles_ext_kernels.cake._runtime.operands import copies
-from miles_ext_kernels.cake._runtime.testing import check_budget
 from tests.cake._helpers import assert_demo_passes
+from tests.cake._norms import BF, F32, check_within, forward_backward, norm_operands
 
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.rmsnorm.demo")
 
 pytestmark = pytest.mark.gpu
-BF, F32 = torch.bfloat16, torch.float32
 SIZES = (2048, 5120)
 
 
@@ -26,27 +25,16 @@ def _built():
 
 
 def inputs(shape, wdtype, seed=0, device="cuda"):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g).to(BF)
-    w = (0.2 * torch.randn(shape[-1], generator=g)).to(wdtype)
-    dy = torch.randn(shape, generator=g).to(BF)
-    return x.to(device), w.to(device), dy.to(device)
+    return norm_operands(shape, wdtype, seed, gated=False, weight_mean=0, device=device)
 
 
 def run(x, w, dy, eps=1e-6):
-    xr = x.detach().requires_grad_(True)
-    wr = w.detach().clone().requires_grad_(True)
-    y = decl.zero_centered_rmsnorm(xr, wr, eps)
-    y.backward(dy)
-    return y.detach(), xr.grad, wr.grad
+    return forward_backward(decl.zero_centered_rmsnorm, (x, w), dy, eps, clone=(1,))
 
 
 def check(x, w, dy, got):
     ref = grads_ref(x.cpu(), w.cpu(), dy.cpu())
-    b = demo_mod.budgets("cuda", w.dtype, x.numel())
-    errs = {}
-    for name, g, r in zip(("y", "dx", "dw"), got, ref):
-        errs[name] = check_budget(name, g.cpu(), r, b[name])
+    errs = check_within(("y", "dx", "dw"), got, ref, demo_mod.budgets("cuda", w.dtype, x.numel()))
     print("errors", tuple(x.shape), w.dtype, errs)
     return errs
 

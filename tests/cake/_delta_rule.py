@@ -1,0 +1,149 @@
+"""Checks that the two delta-rule ops' tests (tests/cake/gdn, tests/cake/kda) make the same way: on CPU (the
+interpreter) and on the GPU."""
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import miles_ext_kernels as mek
+from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
+from tests._paths import ROOT
+from tests.cake._helpers import assert_nonfinite_as_in_reference
+
+FWD = ("o", "ht")
+QKVGB = ("q", "k", "v", "g", "beta")
+
+
+def assert_nonfinite_as_in_demo_reference(op: str, inp: dict, name: str, value: float, tokens) -> None:
+    """assert_nonfinite_as_in_reference for `op` ("gdn" or "kda") on its demo's inputs `inp`: an initial state, the
+    final state, L2 norm in the kernel, cu_seqlens (kda: the gate and state layout `inp` was made with)."""
+    reference = importlib.import_module(f"miles_ext_kernels.cake._impl.{op}.reference")
+    if op == "gdn":
+        from miles_ext_kernels.cake.gdn import chunk_gated_delta_rule as call
+        ref_call = reference.gdn_reference
+
+        def kwargs(x):
+            return dict(output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"])
+    else:
+        from miles_ext_kernels.cake.kda import chunk_kda as call
+        demo = importlib.import_module("miles_ext_kernels.cake._impl.kda.demo")
+        ref_call = reference.kda_reference
+
+        def kwargs(x):
+            return dict(A_log=x["A_log"], dt_bias=x["dt_bias"], **demo._kwargs(x, True, True, True))
+
+    def run(x):
+        return call(*(x[n] for n in QKVGB), initial_state=x["h0"], **kwargs(x))
+
+    def ref(x):
+        return ref_call(*(x[n].double() for n in QKVGB), initial_state=x["h0"].double(), **kwargs(x))
+
+    assert_nonfinite_as_in_reference(run, ref, inp, name, value, tokens)
+
+
+def _per_name_error(name, got, ref):
+    return rel_rms(got, ref[name])
+
+
+def _per_name_check(name, got, ref, budget):
+    return check_budget(name, got, ref[name], budget)
+
+
+def check_against_fp64_and_peer(tag: str, ours: dict, ref: dict, peer, budgets: dict, error=_per_name_error,
+                                check=_per_name_check) -> None:
+    """Prints `tag` and, per tensor, our error, the peer's (fla's; NaN without one), our result x 1.02's and the
+    budget (JSON); then each tensor of `ours` must be within its budget, o and ht within 1.1 x the peer's error too
+    where a peer ran. `error(name, got, ref)` and `check(name, got, ref, budget)` take the whole reference dict
+    (default: the relative RMS against ref[name], check_budget)."""
+    rows = {}
+    for name in ours:
+        rows[name] = dict(ours=error(name, ours[name], ref),
+                          fla=error(name, peer[name], ref) if peer is not None else float("nan"),
+                          ours_x102=error(name, ours[name].double() * 1.02, ref), budget=budgets[name])
+    print(f"\n{tag} " + json.dumps(rows))
+    for name in ours:
+        budget = budgets[name]
+        if peer is not None and name in FWD:
+            budget = min(budget, 1.1 * rows[name]["fla"])
+        check(name, ours[name], ref, budget)
+
+
+def assert_det_bits_again_fast_side_stream_pool(run, ours: dict, fast: dict) -> None:
+    """`run()` (a dict of tensors) again; then under `mek.configure(**fast)` (the fast variant and a workspace pool),
+    and twice on a side stream (pooled buffers reused): every tensor has the bits of `ours` each time."""
+    again = run()
+    mek.configure(**fast)
+    fast_out = run()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        side = run()
+        side_again = run()  # pooled buffers reused
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    mek.configure()
+    for name in ours:
+        for other in (again, fast_out, side, side_again):
+            assert torch.equal(ours[name], other[name]), name
+
+
+def assert_fresh_process_same_bits(op: str, ours: dict, tmp_path, make_inputs_args: str, l2: bool) -> None:
+    """A fresh interpreter at the repository root runs `op`'s demo `run_impl(make_inputs(<make_inputs_args>),
+    l2=l2)`: every tensor has the bits of `ours`."""
+    path = str(tmp_path / "bits.pt")
+    script = textwrap.dedent(f"""
+        import importlib, torch
+        d = importlib.import_module("miles_ext_kernels.cake._impl.{op}.demo")
+        inp = d.make_inputs({make_inputs_args})
+        torch.save({{n: t.cpu() for n, t in d.run_impl(inp, l2={l2}).items()}}, {path!r})
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    there = torch.load(path)
+    for name in ours:
+        assert torch.equal(ours[name].cpu(), there[name]), name
+
+
+def assert_no_host_sync(step) -> None:
+    """`step()` (a forward and backward) on the GPU asks for no host sync."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def run_batch_without_cu_seqlens(call, reference, K: int, V: int, g_tail=(), g_shift=0.0):
+    """B = 2 sequences of T = 300 tokens, 4 heads, no cu_seqlens, initial or final state, no L2 norm in the kernel (q,
+    k normalized before), seed 5, on the GPU: (ours, FP64 reference) dicts of o and the gradients dq, dk, dv, dg,
+    dbeta. `call`, `reference`: the op and its FP64 recurrence; g: logsigmoid(N(0, 1) + g_shift), [B, T, 4, *g_tail]."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, Hh = 2, 300, 4
+    q = torch.nn.functional.normalize(torch.randn(B, T, Hh, K, generator=gen), dim=-1).to(torch.bfloat16).cuda()
+    k = torch.nn.functional.normalize(torch.randn(B, T, Hh, K, generator=gen), dim=-1).to(torch.bfloat16).cuda()
+    v = torch.randn(B, T, Hh, V, generator=gen).to(torch.bfloat16).cuda()
+    g = torch.randn(B, T, Hh, *g_tail, generator=gen)
+    if g_shift:
+        g = g + g_shift
+    g = torch.nn.functional.logsigmoid(g).cuda()
+    beta = torch.rand(B, T, Hh, generator=gen).cuda()
+    do = torch.randn(B, T, Hh, V, generator=gen).to(torch.bfloat16).cuda()
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+    o, ht = call(*leaves)
+    assert ht is None
+    o.backward(do)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, g, beta)]
+    ro, _ = reference(*ref_leaves)
+    ro.backward(do.double())
+    names = ("dq", "dk", "dv", "dg", "dbeta")
+    got = {"o": o.detach(), **{n: a.grad for n, a in zip(names, leaves)}}
+    ref = {"o": ro.detach(), **{n: b.grad for n, b in zip(names, ref_leaves)}}
+    return got, ref
