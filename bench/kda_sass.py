@@ -1,16 +1,16 @@
 """ptxas counts of the kda / gdn chunk kernels for sm_90a, compiled offline (no GPU); a SASS diff against a git ref.
 
     /path/to/triton-3.6/python bench/kda_sass.py [KERNEL,KERNEL,...] [--cfg JSON] [--op gdn]
-    /path/to/triton-3.6/python bench/kda_sass.py all --against REF [--op gdn] [--out DIR] [--jobs N]
+    /path/to/triton-3.6/python bench/kda_sass.py all --against REF [--op gdn|conv1d|rmsnorm] [--out DIR] [--jobs N]
 
-Every route of `ops.routes()` (K = V = 128) of the named kernels (default: fwd_prep_kernel, bwd_wy_kernel,
-bwd_dqkw_kernel; `all`: every kernel) is compiled at `configs.CFG` (entries updated from --cfg, e.g.
-'{"dqkw": {"BK": 64, "BK_dk": 64}}') the way bench/sass.py compiles the gqa kernels, and ptxas -v is re-run on its PTX.
-Counts are static (both sides of a runtime branch, once). `--against REF` instead writes each route's SASS to
-DIR/tree, compiles the same routes of `miles_ext_kernels` at git REF (exported, in a subprocess) to DIR/ref, and
+Every route of `ops.routes()` (K = V = 128; conv1d, rmsnorm: over ROUTE_KWARGS) of the named kernels (default:
+fwd_prep_kernel, bwd_wy_kernel, bwd_dqkw_kernel; `all`: every kernel) is compiled at `configs.CFG` (entries updated from
+--cfg, e.g. '{"dqkw": {"BK": 64, "BK_dk": 64}}') the way bench/sass.py compiles the gqa kernels, and ptxas -v is re-run
+on its PTX. Counts are static (both sides of a runtime branch, once). `--against REF` instead writes each route's SASS
+to DIR/tree, compiles the same routes of `miles_ext_kernels` at git REF (exported, in a subprocess) to DIR/ref, and
 reports per route whether the two are the same instruction for instruction with addresses and branch targets masked
-(bench/sass.py's `instructions`): a refactor of the kernels' source that should not change the compiled code is
-checked with it."""
+(bench/sass.py's `instructions`): a refactor of the kernels' source that should not change the compiled code is checked
+with it."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,10 @@ if "--_build" not in sys.argv:  # a --_build subprocess imports the exported pac
     sys.path.insert(0, str(ROOT))
 
 DEFAULT = "fwd_prep_kernel,bwd_wy_kernel,bwd_dqkw_kernel"
+OPS = ("kda", "gdn", "conv1d", "rmsnorm")
+# the routes() arguments an op's routes are enumerated over (gdn / kda: none, K = V = 128)
+ROUTE_KWARGS = {"conv1d": [{"weight_dtype": "float32"}, {"weight_dtype": "bfloat16"}],
+                "rmsnorm": [{"hidden_size": 2048}, {"hidden_size": 4096}]}
 
 
 def _routes(op: str, kernels: str, cfg: str) -> list:
@@ -41,7 +45,7 @@ def _routes(op: str, kernels: str, cfg: str) -> list:
     for name, entry in json.loads(cfg).items():
         configs.CFG[name].update(entry)
     want, seen, out = set(kernels.split(",")), set(), []
-    for r in ops.routes():
+    for r in (r for kw in ROUTE_KWARGS.get(op, [{}]) for r in ops.routes(**kw)):
         if (kernels != "all" and r.kernel.fn.__name__ not in want) or r.label in seen:
             continue
         seen.add(r.label)
@@ -110,7 +114,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernels", nargs="?", default=DEFAULT)
     ap.add_argument("--cfg", default="{}", help="JSON: config entries to update before the routes are enumerated")
-    ap.add_argument("--op", default="kda", choices=("kda", "gdn"))
+    ap.add_argument("--op", default="kda", choices=OPS)
     ap.add_argument("--against", metavar="REF", help="compare each route's SASS with the kernels at this git ref")
     ap.add_argument("--out", type=Path, default=None, help="where the SASS dumps go (default: a temp dir)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)

@@ -1,9 +1,10 @@
 """The gate-independent kernels and helpers of the chunked delta rule, shared by gdn (a scalar gate per token and
 head) and kda (a gate per key dimension): the interpreter-safe product and rounding helpers, the guard that keeps a
 later token's NaN or inf out of earlier rows of a causal product (`_finite_rows`, `_nan_rows`), the L2 norm of q and
-k, the inverse of a unit lower-triangular 16 x 16 block, the store of an A block, the prologue and per-chunk state
-store of the sequential state kernels, and the last backward kernel (the sum of the per-value-head dq / dk over the
-value heads of each key head, in a fixed order, then back through the L2 norm).
+k, the inverse of a unit lower-triangular 16 x 16 block, the store of an A block, the prologue of the per-chunk
+kernels, the prologue and per-chunk state store of the sequential state kernels, and the last backward kernel (the
+sum of the per-value-head dq / dk over the value heads of each key head, in a fixed order, then back through the L2
+norm).
 
 Interpreter (CPU tests): bf16 arithmetic is broken there, so elementwise math runs on fp32 values, `_dot` converts its
 (bf16-rounded) operands to fp32 under the INTERPRET flag, and `_rnd` rounds to nearest even where the interpreter's
@@ -108,6 +109,42 @@ def _causal_store(b_A, b_x, out, rows, m, hv, HV, o, D: tl.constexpr, BT: tl.con
     if f < BT:
         b_o = _nan_rows(b_o, f, 0)
     tl.store(out + rows[:, None] * (HV * D) + hv * D + o[None, :], _rnd(b_o, DT, INTERPRET), mask=m[:, None])
+
+# ----------------------------------------------------------------------------------------------------------------
+# The per-chunk kernels: one program per chunk slot (times SPLIT slices of K) on grid axis 0 and value head on axis 1.
+# `table` maps a slot to (sequence, or -1 for an unused slot, where the kernel returns; chunk index). gdn's kernels
+# read the slot's chunk index and document bounds before that check (through a clamped sequence index), kda's after.
+@triton.jit
+def _chunk_program(table, SPLIT: tl.constexpr):
+    """A chunk kernel's program: (chunk slot p, its slice ik of SPLIT along K, value head hv, the slot's sequence n,
+    -1 for an unused slot)."""
+    pid = tl.program_id(0)
+    hv = tl.program_id(1)
+    p = pid // SPLIT
+    ik = pid % SPLIT
+    return p, ik, hv, tl.load(table + 2 * p)
+
+
+@triton.jit
+def _chunk_doc(table, se, p, n):
+    """(chunk index of slot p, bos and eos of sequence n)."""
+    ic = tl.load(table + 2 * p + 1).to(tl.int64)
+    return ic, tl.load(se + 2 * n).to(tl.int64), tl.load(se + 2 * n + 1).to(tl.int64)
+
+
+@triton.jit
+def _chunk_rows(hv, ik, ic, bos, eos, H, HV, BK: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """A chunk program's tile: (key head hk, o_t, its slice ik of K (o_k, BK wide), o_v, the chunk's first row t0,
+    its rows and their mask m)."""
+    hk = hv // (HV // H)
+    o_t = tl.arange(0, BT)
+    o_k = ik * BK + tl.arange(0, BK)
+    o_v = tl.arange(0, V)
+    t0 = bos + ic * BT
+    rows = t0 + o_t
+    m = rows < eos
+    return hk, o_t, o_k, o_v, t0, rows, m
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # The sequential state kernels (forward h, reverse dh): one program per (sequence, value head) on grid axis 0 (the

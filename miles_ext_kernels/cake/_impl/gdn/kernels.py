@@ -61,12 +61,12 @@ G_FLOOR = common.G_FLOOR
 
 
 @triton.jit
-def _chunk_of(table, se, p):
-    """(sequence n, or -1 for an unused slot; chunk index; the document's bos, eos) of chunk slot p."""
-    n = tl.load(table + 2 * p)
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    n_safe = tl.maximum(n, 0)
-    return n, ic, tl.load(se + 2 * n_safe).to(tl.int64), tl.load(se + 2 * n_safe + 1).to(tl.int64)
+def _chunk_of(table, se, SPLIT: tl.constexpr):
+    """A chunk kernel's program (`_chunk_program`: p, ik, hv, n) and its slot's chunk index, bos and eos, read
+    before the kernel's unused-slot check (n = -1 reads sequence 0's bounds)."""
+    p, ik, hv, n = common._chunk_program(table, SPLIT)
+    ic, bos, eos = common._chunk_doc(table, se, p, tl.maximum(n, 0))
+    return p, ik, hv, n, ic, bos, eos
 
 
 @triton.jit
@@ -108,9 +108,7 @@ def _l_block(ka, kb, ga, gb, ba, DIAG: tl.constexpr, INTERPRET: tl.constexpr):
 def fwd_prep_kernel(k, g, beta, se, table, gc, A, H, HV, K: tl.constexpr, BT: tl.constexpr,
                     INTERPRET: tl.constexpr):
     """Per chunk: gc = in-chunk cumsum of g; A = (I + L)^-1, in 16 x 16 blocks."""
-    p = tl.program_id(0)
-    hv = tl.program_id(1)
-    n, ic, bos, eos = _chunk_of(table, se, p)
+    p, _ik, hv, n, ic, bos, eos = _chunk_of(table, se, 1)
     if n < 0:
         return
     hk = hv // (HV // H)
@@ -215,18 +213,11 @@ def fwd_prep_kernel(k, g, beta, se, table, gc, A, H, HV, K: tl.constexpr, BT: tl
 def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, INTERPRET: tl.constexpr):
     """w = A (beta exp(G) k), u = A (beta v) per chunk."""
-    p = tl.program_id(0)
-    hv = tl.program_id(1)
-    n, ic, bos, eos = _chunk_of(table, se, p)
+    p, ik, hv, n, ic, bos, eos = _chunk_of(table, se, 1)
     if n < 0:
         return
-    hk = hv // (HV // H)
+    hk, o_t, o_k, o_v, t0, rows, m = common._chunk_rows(hv, ik, ic, bos, eos, H, HV, K, V, BT)
     DT = k.dtype.element_ty
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
-    rows = bos + ic * BT + o_t
-    m = rows < eos
     b_A = tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.)
     b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
@@ -282,18 +273,11 @@ def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.c
 def fwd_o_kernel(q, k, vn, gc, h, se, table, o, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, INTERPRET: tl.constexpr):
     """o = scale (exp(G) q) h + scale tril(q k^T * D) dlt per chunk."""
-    p = tl.program_id(0)
-    hv = tl.program_id(1)
-    n, ic, bos, eos = _chunk_of(table, se, p)
+    p, ik, hv, n, ic, bos, eos = _chunk_of(table, se, 1)
     if n < 0:
         return
-    hk = hv // (HV // H)
+    hk, o_t, o_k, o_v, t0, rows, m = common._chunk_rows(hv, ik, ic, bos, eos, H, HV, K, V, BT)
     DT = q.dtype.element_ty
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
-    rows = bos + ic * BT + o_t
-    m = rows < eos
     b_q = tl.load(q + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
     b_kt = tl.load(k + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
     b_gc = _chunk_gc(gc, rows, eos, hv, HV)
@@ -317,18 +301,11 @@ def fwd_o_kernel(q, k, vn, gc, h, se, table, o, scale, H, HV, K: tl.constexpr, V
 def bwd_dvl_kernel(q, k, do, gc, se, table, dvl, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, INTERPRET: tl.constexpr):
     """The in-chunk part of d(dlt): scale tril(q k^T * D)^T do (computed transposed, from k q^T)."""
-    p = tl.program_id(0)
-    hv = tl.program_id(1)
-    n, ic, bos, eos = _chunk_of(table, se, p)
+    p, ik, hv, n, ic, bos, eos = _chunk_of(table, se, 1)
     if n < 0:
         return
-    hk = hv // (HV // H)
+    hk, o_t, o_k, o_v, t0, rows, m = common._chunk_rows(hv, ik, ic, bos, eos, H, HV, K, V, BT)
     DT = q.dtype.element_ty
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
-    rows = bos + ic * BT + o_t
-    m = rows < eos
     b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
     b_qt = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
     b_gc = _chunk_gc(gc, rows, eos, hv, HV)
@@ -387,21 +364,11 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
     of dG (per value head). PHASE 0 does all; PHASE 1 only dq, dw; PHASE 2 only dk (two launches, fewer live
     tiles each; each launch may use its own BK). dgp [T, HV, NPART] holds the partial dG sums: this launch's slice ik
     writes slot SLOT0 + ik; the WY backward adds the slots in order."""
-    pid = tl.program_id(0)
-    hv = tl.program_id(1)
-    p = pid // (K // BK)
-    ik = pid % (K // BK)
-    n, ic, bos, eos = _chunk_of(table, se, p)
+    p, ik, hv, n, ic, bos, eos = _chunk_of(table, se, K // BK)
     if n < 0:
         return
-    hk = hv // (HV // H)
+    hk, o_t, o_k, o_v, t0, rows, m = common._chunk_rows(hv, ik, ic, bos, eos, H, HV, BK, V, BT)
     DT = q.dtype.element_ty
-    o_t = tl.arange(0, BT)
-    o_k = ik * BK + tl.arange(0, BK)
-    o_v = tl.arange(0, V)
-    t0 = bos + ic * BT
-    rows = t0 + o_t
-    m = rows < eos
     qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
     v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
     vt_off = rows[None, :] * (HV * V) + hv * V + o_v[:, None]
@@ -461,18 +428,11 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, se, table, dk, dko, dgp, dv, dbeta,
     dko = dk + this kernel's dk (dko may be dk). dgp holds NK partial dG sums per row (added in order). The work is
     ordered for short live ranges: the v side (dv, its dbeta and dA terms), then dA's k term, the dL terms, and the
     A^T dw terms last (measured faster than the plain order: 1.34 vs 1.52 ms at 16 x 2048 on the H200)."""
-    p = tl.program_id(0)
-    hv = tl.program_id(1)
-    n, ic, bos, eos = _chunk_of(table, se, p)
+    p, ik, hv, n, ic, bos, eos = _chunk_of(table, se, 1)
     if n < 0:
         return
-    hk = hv // (HV // H)
+    hk, o_t, o_k, o_v, t0, rows, m = common._chunk_rows(hv, ik, ic, bos, eos, H, HV, K, V, BT)
     DT = k.dtype.element_ty
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
-    rows = bos + ic * BT + o_t
-    m = rows < eos
     k_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
     v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
     w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
