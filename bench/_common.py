@@ -107,6 +107,20 @@ def queued_ms(fn, warmup: int = 5, rep: int = 30) -> float:
     return _event_median(fn, warmup, rep)
 
 
+def host_ms(fn, warmup: int = 20, rep: int = 200) -> float:
+    """Wall-clock time per call of `rep` calls queued back to back with one sync at the end, in ms. On operands so
+    small that every kernel is shorter than its launch, the GPU waits on the host: this is the host's time per call
+    (Python, autograd, checks, launches). `device_ms` beside it says how much of it the GPU needed."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(rep):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / rep
+
+
 _SLEEP_CYCLES_PER_MS: dict = {}
 
 
@@ -172,12 +186,13 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
 # Backward on a retained graph (as Liger's benchmarks do) rather than (fwd + bwd) - fwd: one measurement, not a
 # difference of two noisy ones, and it is the same for every provider.
 MODES = ("fwd", "bwd", "full")
-TIMERS = {"synced": median_ms, "device": device_ms, "queued": queued_ms}
+TIMERS = {"synced": median_ms, "device": device_ms, "queued": queued_ms, "host": host_ms}
 TIMER_DOC = {
     "synced": "`median_ms`: one sync per call, the host's launch path included",
     "device": "`device_ms`: each call queued behind a GPU spin, so the host's launch work is hidden, as in a "
               "training step whose host runs ahead",
     "queued": "`queued_ms`: calls back to back, host-bound where a launch path is slower than its kernels",
+    "host": "`host_ms`: wall clock per call of calls back to back on tiny operands (the host's launch path)",
 }
 FORMAT = 2  # results-file layout: one row per (op, shape, provider, mode); plot.py also reads the layout before it
 

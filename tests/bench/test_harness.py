@@ -78,7 +78,9 @@ ON_CPU = {
 
 def test_every_benchmark_is_dry_run_here():
     # tools, and the HF model step (its own script, not a declaration: it times whole models)
-    files = {p.stem for p in BENCH.glob("*.py")} - {"_common", "plot", "ab", "sass", "model", "kda_sass", "kda_profile"}
+    # host.py re-times the declarations below on tiny shapes (its own test: test_host_declares_every_op_tiny)
+    files = {p.stem for p in BENCH.glob("*.py")} - {"_common", "plot", "ab", "sass", "model", "kda_sass", "kda_profile",
+                                                    "host"}
     assert files == set(ON_CPU), "a bench/<op>.py is missing from ON_CPU (or ON_CPU names a file that is gone)"
 
 
@@ -214,3 +216,28 @@ def test_plot_reads_the_layout_before_the_harness():
 @pytest.mark.parametrize("path", sorted(p.name for p in (BENCH / "results").glob("*.json") if "_" not in p.stem))
 def test_plot_reads_the_committed_results(path, tmp_path):
     _check_plot_reads(BENCH / "results" / path, tmp_path)
+
+
+def test_host_declares_every_op_tiny():
+    """bench/host.py: every op's own declaration (same providers) on its one tiny shape, host + device timers; the
+    bars are read from our rows only."""
+    mod = _load("host")
+    benches = mod.declare()
+    assert [b.name for b in benches] == list(mod.TINY)
+    for b in benches:
+        assert list(b.shapes) == [mod.TINY[b.name][0]] and b.timers == ("host", "device") and b.modes == ("fwd", "full")
+        assert any(p.ours for p in b.providers) and len(b.providers) >= 2  # ours and at least one peer
+    rows = [{"op": "gqa", "provider": "cake det", "mode": "fwd", "host_ms": 0.041},
+            {"op": "gqa", "provider": "FA2 varlen", "mode": "fwd", "host_ms": 0.01},
+            {"op": "rmsnorm", "provider": "cake det", "mode": "full", "host_ms": 0.05},
+            {"op": "kda", "provider": "cake det", "mode": "fwd", "host_ms": 0.2}]
+    got = mod.bars(rows)
+    assert [(b["op"], b["mode"], b["bar_us"], b["met"]) for b in got] == [("gqa", "fwd", 40, False),
+                                                                          ("rmsnorm", "full", 60, True)]
+
+
+def test_host_timer_is_wall_clock_per_call(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    ms = _common.host_ms(lambda: calls.append(1), warmup=3, rep=7)
+    assert len(calls) == 10 and 0 <= ms < 1.0 and "host" in _common.TIMERS and "host" in _common.TIMER_DOC
