@@ -80,7 +80,7 @@ def test_every_benchmark_is_dry_run_here():
     # tools, and the HF model step (its own script, not a declaration: it times whole models)
     # host.py re-times the declarations below on tiny shapes (its own test: test_host_declares_every_op_tiny)
     files = {p.stem for p in BENCH.glob("*.py")} - {"_common", "plot", "ab", "sass", "model", "kda_sass", "kda_profile",
-                                                    "host"}
+                                                    "host", "cp_nccl"}
     assert files == set(ON_CPU), "a bench/<op>.py is missing from ON_CPU (or ON_CPU names a file that is gone)"
 
 
@@ -241,3 +241,16 @@ def test_host_timer_is_wall_clock_per_call(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     ms = _common.host_ms(lambda: calls.append(1), warmup=3, rep=7)
     assert len(calls) == 10 and 0 <= ms < 1.0 and "host" in _common.TIMERS and "host" in _common.TIMER_DOC
+
+
+@pytest.mark.interpreter
+def test_cp_nccl_dry_run_two_gloo_ranks(tmp_path):
+    """bench/cp_nccl.py's rank processes over gloo (its --dry-run): every plan of both ops timed on both ranks, the
+    ratio table and the comm bytes written."""
+    mod = _load("cp_nccl")
+    assert mod.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "cp_nccl.json").read_text())
+    assert doc["dry_run"] is True and doc["world"] == 2 and doc["backend"] == "gloo"
+    assert {(r["shape"], r["plan"]) for r in doc["ratios"]} == {(s, f"W=2 {lay}") for s in ("gdn 2 docs", "kda 2 docs")
+                                                                for lay in ("contiguous", "zigzag")}
+    assert all(len(r["rank_ms"]) == 2 and r["fwd_bytes"] > 0 for r in doc["rows"])

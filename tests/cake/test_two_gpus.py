@@ -5,14 +5,15 @@ import pytest
 import torch
 
 import miles_ext_kernels as mek
-from miles_ext_kernels.cake import conv1d, gated_rmsnorm, gdn, rmsnorm
+from miles_ext_kernels.cake import conv1d, gated_rmsnorm, gdn, kda, rmsnorm
 
 pytestmark = pytest.mark.multi_gpu
 
 
 @pytest.fixture(autouse=True)
 def _det():
-    mek.configure(rmsnorm_variant="det", gated_rmsnorm_variant="det", conv1d_variant="det", gdn_variant="det")
+    mek.configure(rmsnorm_variant="det", gated_rmsnorm_variant="det", conv1d_variant="det", gdn_variant="det",
+                  kda_variant="det")
 
 
 def _on(dev, tensors):
@@ -80,4 +81,19 @@ def test_gdn_two_gpus():
         o, ht = gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                            use_qk_l2norm_in_kernel=True, cu_seqlens=inp["cu"].to(dev))
         return _grads((o, ht), [q, k, v, g, beta, h0], [inp["do"].to(dev), inp["dht"].to(dev)])
+    _same_bits(run)
+
+
+def test_kda_two_gpus():
+    from miles_ext_kernels.cake._impl.kda.demo import make_inputs
+
+    inp = make_inputs([15, 100, 300, 1200], 2, 4, 128, 128, "cpu", seed=5, gate="safe")
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
+
+    def run(dev):
+        q, k, v, g, beta, A_log, dt_bias, h0 = _on(dev, [inp[n] for n in names])
+        o, ht = kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                              safe_gate=True, lower_bound=inp["lower_bound"], cu_seqlens=inp["cu"].to(dev))
+        return _grads((o, ht), [q, k, v, g, beta, A_log, dt_bias, h0], [inp["do"].to(dev), inp["dht"].to(dev)])
     _same_bits(run)

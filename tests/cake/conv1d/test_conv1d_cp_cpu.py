@@ -1,11 +1,7 @@
 """conv1d under context parallelism, W simulated ranks in one process through Triton's interpreter: the halo (a
 document's previous W_conv - 1 inputs, possibly from several short pieces on several ranks) against the FP64
-convolution of the whole stream, dweight as the sum of the ranks' partials, det bits, the argument rules; and gloo
-ranks equal the simulated ones bit for bit."""
-import json
-import os
-import subprocess
-import sys
+convolution of the whole stream, dweight as the sum of the ranks' partials, det bits, the argument rules (gloo ranks
+against these simulated ones: tests/cake/cp/test_cp_gloo_cpu.py)."""
 
 import pytest
 import torch
@@ -15,7 +11,6 @@ from miles_ext_kernels.cake._impl.conv1d import ops
 from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_grads
 from miles_ext_kernels.cake._runtime import cp as rcp
 from miles_ext_kernels.cake._runtime.testing import check_budget
-from tests._paths import ROOT
 
 pytestmark = pytest.mark.interpreter
 
@@ -71,49 +66,3 @@ def test_cp_call_argument_rules():
         conv1d.causal_conv1d(x, w[:, :3], cp_context=ctx)
     with pytest.raises(TypeError, match="build_cp_context"):
         conv1d.causal_conv1d(xs, w, cp_context={})
-
-
-GLOO_RANK = r"""
-import json, os, sys, torch, torch.distributed as dist
-os.environ.setdefault("TRITON_INTERPRET", "1")
-dist.init_process_group("gloo")
-from miles_ext_kernels import cake
-from tests.cake.conv1d.test_conv1d_cp_cpu import _inputs
-lens, Wc, layout, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-x, w, dy, cu = _inputs(lens, Wc)
-ctx = cake.build_cp_context(cu, dist.group.WORLD, conv1d_kernel_size=Wc, layout=layout)
-from miles_ext_kernels.cake._runtime import cp as rcp
-xs = rcp.shard(x, ctx, 0).clone().requires_grad_(True)
-wl = w.clone().requires_grad_(True)
-y = cake.causal_conv1d(xs, wl, cp_context=ctx)
-y.backward(rcp.shard(dy, ctx, 0))
-torch.save({"y": y.detach(), "dx": xs.grad, "dw": wl.grad}, os.path.join(out, f"rank{dist.get_rank()}.pt"))
-dist.destroy_process_group()
-"""
-
-
-def test_gloo_ranks_equal_simulated_ranks(tmp_path):
-    import socket
-
-    layout, W, lens, Wc = CASES[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", GLOO_RANK, json.dumps(lens), str(Wc), layout, str(tmp_path)],
-                              cwd=ROOT, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(W), MASTER_ADDR="127.0.0.1",
-                                                 MASTER_PORT=str(port), TRITON_INTERPRET="1",
-                                                 PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(W)]
-    for p in procs:
-        out, _ = p.communicate(timeout=600)
-        assert p.returncode == 0, out[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(W)]
-    x, w, dy, cu = _inputs(lens, Wc)
-    y, dx, dw = _simulated(x, w, dy, cu, layout, W)
-    ctxs = rcp.simulated_contexts(cu, W, layout=layout)
-    assert torch.equal(rcp.unshard([r["y"] for r in ranks], ctxs, 0), y)
-    assert torch.equal(rcp.unshard([r["dx"] for r in ranks], ctxs, 0), dx)
-    total = ranks[0]["dw"].clone()
-    for r in ranks[1:]:
-        total += r["dw"]
-    assert torch.equal(total, dw)
