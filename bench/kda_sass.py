@@ -1,7 +1,7 @@
 """ptxas counts of the kda / gdn chunk kernels for sm_90a, compiled offline (no GPU); a SASS diff against a git ref.
 
     /path/to/triton-3.6/python bench/kda_sass.py [KERNEL,KERNEL,...] [--cfg JSON] [--op gdn]
-    /path/to/triton-3.6/python bench/kda_sass.py all --against REF [--op gdn|conv1d|rmsnorm] [--out DIR] [--jobs N]
+    /path/to/triton-3.6/python bench/kda_sass.py all --against REF [--op gdn|conv1d|rmsnorm|gqa] [--out DIR] [--jobs N]
 
 Every route of `ops.routes()` (K = V = 128; conv1d, rmsnorm: over ROUTE_KWARGS) of the named kernels (default:
 fwd_prep_kernel, bwd_wy_kernel, bwd_dqkw_kernel; `all`: every kernel) is compiled at `configs.CFG` (entries updated from
@@ -10,7 +10,7 @@ on its PTX. Counts are static (both sides of a runtime branch, once). `--against
 to DIR/tree, compiles the same routes of `miles_ext_kernels` at git REF (exported, in a subprocess) to DIR/ref, and
 reports per route whether the two are the same instruction for instruction with addresses and branch targets masked
 (bench/sass.py's `instructions`): a refactor of the kernels' source that should not change the compiled code is checked
-with it."""
+with it. `--op gqa`: gqa's routes, its Triton kernels (kernels.py) as well as the Gluon ones bench/sass.py covers."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +27,7 @@ if "--_build" not in sys.argv:  # a --_build subprocess imports the exported pac
     sys.path.insert(0, str(ROOT))
 
 DEFAULT = "fwd_prep_kernel,bwd_wy_kernel,bwd_dqkw_kernel"
-OPS = ("kda", "gdn", "conv1d", "rmsnorm")
+OPS = ("kda", "gdn", "conv1d", "rmsnorm", "gqa")
 # the routes() arguments an op's routes are enumerated over (gdn / kda: none, K = V = 128)
 ROUTE_KWARGS = {"conv1d": [{"weight_dtype": "float32"}, {"weight_dtype": "bfloat16"}],
                 "rmsnorm": [{"hidden_size": 2048}, {"hidden_size": 4096}]}

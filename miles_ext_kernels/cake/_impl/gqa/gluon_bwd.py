@@ -150,24 +150,43 @@ def _publish_p(p, p_ring, stage, phase):
 
 
 @gluon.jit
-def _dkdv_s_dv(kv, q_ring, do_ring, p_ring, tile, steps, LSE, T_q, qk_scale, dv_out, D: gl.constexpr,
-               BM: gl.constexpr, BN: gl.constexpr):
-    """Warpgroup 0: S^T = K Q^T, P^T (fp32, published for warpgroup 1), dV += P^T dO; stores dV. Also zeroes the
-    Q and dO rows past the segment of a partial query block, before it publishes that step's P^T. `dv_out`: (DV,
-    token stride, head stride)."""
+def _acc_issue(x, acc_ring, s, phase, acc):
+    """acc += x acc_ring[s] (a ring's stage as the B operand) issued once that stage has landed; its token."""
+    acc_smem, acc_ready, _ = acc_ring
+    mbarrier.wait(acc_ready.index(s), phase)
+    return warpgroup_mma(x, acc_smem.index(s), acc, is_async=True)
+
+
+@gluon.jit
+def _acc_done(acc_tok, x, acc_ring, s):
+    """The accumulator of `_acc_issue`'s product, waited for (no group left outstanding); releases its stage."""
+    _, _, acc_empty = acc_ring
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, x))[0]
+    mbarrier.arrive(acc_empty.index(s), count=1)
+    return acc
+
+
+@gluon.jit
+def _next_t_behind(a_smem, t_ring, ns, s_zero, x, acc_ring, s, phase, acc):
+    """Step i + 1's transposed product T = A t_ring[ns]^T issued, then step i's accumulation acc += x acc_ring[s]
+    (`_acc_issue`); waits for T alone (groups complete in order: the accumulation may still run) and releases
+    t_ring's stage ns. Returns T and the accumulation's token."""
+    t_smem, _, t_empty = t_ring
+    t_tok = warpgroup_mma(a_smem, t_smem.index(ns).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    acc_tok = _acc_issue(x, acc_ring, s, phase, acc)
+    t = warpgroup_mma_wait(num_outstanding=1, deps=(t_tok, ))
+    mbarrier.arrive(t_empty.index(ns), count=1)
+    return t, acc_tok
+
+
+@gluon.jit
+def _s_dv_steps(kv, q_ring, do_ring, p_ring, tile, steps, LSE, T_q, qk_scale, dv, s_zero, n_steps, D: gl.constexpr,
+                BM: gl.constexpr, BN: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """Warpgroup 0's steps: S^T = K Q^T, P^T (fp32, published for warpgroup 1), dV += P^T dO. Also zeroes the Q and
+    dO rows past the segment of a partial query block, before it publishes that step's P^T."""
     k_smem, v_smem, kv_bar = kv
     q_smem, q_ready, q_empty = q_ring
-    do_smem, do_ready, do_empty = do_ring
     q0, k0, n0, L_q, L_k, offset = tile
-    DV, sdvt, sdvh = dv_out
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    hk, group, m_lo, n_m = steps
-    n_steps = group * n_m
-    s_zero = gl.zeros([BN, BM], gl.float32, s_layout)
-    dv = gl.zeros([BN, D], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
     if n_steps > 0:
         h, m = _step(steps, 0, BM)
@@ -184,51 +203,27 @@ def _dkdv_s_dv(kv, q_ring, do_ring, p_ring, tile, steps, LSE, T_q, qk_scale, dv_
             if i + 1 < n_steps:
                 h, m = _step(steps, i + 1, BM)
                 _wait_q_do(q_ring, do_ring, ns, nphase, m, L_q, BM, D)
-                st_tok = warpgroup_mma(k_smem, q_smem.index(ns).permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
-                mbarrier.wait(do_ready.index(s), phase)
-                dv_tok = warpgroup_mma(pa, do_smem.index(s), dv, is_async=True)
-                # groups complete in order: one outstanding = S^T_{i+1} done, dV_i may still run (P^T_{i+1} is
-                # computed meanwhile)
-                st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
-                mbarrier.arrive(q_empty.index(ns), count=1)
+                # S^T_{i+1} done, dV_i may still run (P^T_{i+1} is computed meanwhile)
+                st, dv_tok = _next_t_behind(k_smem, q_ring, ns, s_zero, pa, do_ring, s, phase, dv)
                 p = _p_tile(st, LSE, T_q, q0, h, m, n0, offset, L_q, qk_scale, BM, BN, s_layout)
                 _publish_p(p, p_ring, ns, nphase)
-                dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, pa))[0]
-                mbarrier.arrive(do_empty.index(s), count=1)
+                dv = _acc_done(dv_tok, pa, do_ring, s)
                 pa = gl.convert_layout(p.to(gl.bfloat16), a_layout)
             else:
-                mbarrier.wait(do_ready.index(s), phase)
-                dv_tok = warpgroup_mma(pa, do_smem.index(s), dv, is_async=True)
-                dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, pa))[0]
-                mbarrier.arrive(do_empty.index(s), count=1)
-    # K is no longer read (the last S^T has completed): stage dV there for 16-byte row stores
-    k_smem.store(dv.to(DV.dtype.element_ty))
-    gl.thread_barrier()
-    U.store_rows(k_smem, DV, k0 + n0, hk, sdvt, sdvh, L_k - n0, BN, D, 4)
+                dv = _acc_done(_acc_issue(pa, do_ring, s, phase, dv), pa, do_ring, s)
+    return dv
 
 
 @gluon.jit
-def _dkdv_dp_dk(kv, q_ring, do_ring, p_ring, tile, steps, DELTA, T_q, sm_scale, dk_out, D: gl.constexpr,
-                BM: gl.constexpr, BN: gl.constexpr):
-    """Warpgroup 1: dP^T = V dO^T, dS^T = P^T * (dP^T - delta) with warpgroup 0's fp32 P^T, dK += dS^T Q; stores dK.
-    `dk_out`: (DK, token stride, head stride)."""
+def _dp_dk_steps(kv, q_ring, do_ring, p_ring, tile, steps, DELTA, T_q, dk, s_zero, n_steps, BM: gl.constexpr,
+                 s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """Warpgroup 1's steps: dP^T = V dO^T, dS^T = P^T * (dP^T - delta) with warpgroup 0's fp32 P^T, dK += dS^T Q.
+    dK is waited within its step: an asynchronous accumulator carried across steps (warpgroup_mma_init) made ptxas
+    serialize every wgmma of the kernel (C7515: "non wgmma instructions defining accumulator registers")."""
     k_smem, v_smem, kv_bar = kv
-    q_smem, q_ready, q_empty = q_ring
     do_smem, do_ready, do_empty = do_ring
     p_smem, p_full, p_empty = p_ring
     q0, k0, n0, L_q, L_k, offset = tile
-    DK, sdkt, sdkh = dk_out
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    hk, group, m_lo, n_m = steps
-    n_steps = group * n_m
-    s_zero = gl.zeros([BN, BM], gl.float32, s_layout)
-    # dK is waited within its step: an asynchronous accumulator carried across steps (warpgroup_mma_init) made ptxas
-    # serialize every wgmma of the kernel (C7515: "non wgmma instructions defining accumulator registers")
-    dk = gl.zeros([BN, D], gl.float32, acc_layout)
     offs_q = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
     mbarrier.wait(kv_bar, 0)
     if n_steps > 0:
@@ -251,22 +246,44 @@ def _dkdv_dp_dk(kv, q_ring, do_ring, p_ring, tile, steps, DELTA, T_q, sm_scale, 
             dsa = gl.convert_layout(ds.to(gl.bfloat16), a_layout)
             if i + 1 < n_steps:
                 mbarrier.wait(do_ready.index(ns), nphase)
-                dpt_tok = warpgroup_mma(v_smem, do_smem.index(ns).permute((1, 0)), s_zero, use_acc=False,
-                                        is_async=True)
-                mbarrier.wait(q_ready.index(s), phase)
-                dk_tok = warpgroup_mma(dsa, q_smem.index(s), dk, is_async=True)
-                # groups complete in order: one outstanding = dP^T_{i+1} done, its dO stage is free
-                dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
-                mbarrier.arrive(do_empty.index(ns), count=1)
+                # dP^T_{i+1} done (its dO stage released), dK_i may still run
+                dpt, dk_tok = _next_t_behind(v_smem, do_ring, ns, s_zero, dsa, q_ring, s, phase, dk)
             else:
-                mbarrier.wait(q_ready.index(s), phase)
-                dk_tok = warpgroup_mma(dsa, q_smem.index(s), dk, is_async=True)
-            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dsa))[0]
-            mbarrier.arrive(q_empty.index(s), count=1)
-    # V is no longer read (the last dP^T has completed): stage dK there
-    v_smem.store((dk * sm_scale).to(DK.dtype.element_ty))
+                dk_tok = _acc_issue(dsa, q_ring, s, phase, dk)
+            dk = _acc_done(dk_tok, dsa, q_ring, s)
+    return dk
+
+
+@gluon.jit
+def _dkdv_wg(kv, q_ring, do_ring, p_ring, tile, steps, VEC, T_q, scale, out, D: gl.constexpr, BM: gl.constexpr,
+             BN: gl.constexpr, DV_WG: gl.constexpr):
+    """A compute warpgroup of the dK/dV pass and its fp32 [BN, D] accumulator: DV_WG, warpgroup 0 (`_s_dv_steps`, dV;
+    VEC = LSE, scale = qk_scale), else warpgroup 1 (`_dp_dk_steps`, dK; VEC = DELTA, scale = sm_scale, dK's factor).
+    `out`: (DV or DK, token stride, head stride); the result is staged for 16-byte row stores in the shared memory of
+    the operand the warpgroup reads no more once its last product has completed (K for dV, V for dK)."""
+    k_smem, v_smem, kv_bar = kv
+    q0, k0, n0, L_q, L_k, offset = tile
+    OUT, sot, soh = out
+    hk, group, m_lo, n_m = steps
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    n_steps = group * n_m
+    s_zero = gl.zeros([BN, BM], gl.float32, s_layout)
+    acc = gl.zeros([BN, D], gl.float32, acc_layout)
+    if DV_WG:
+        acc = _s_dv_steps(kv, q_ring, do_ring, p_ring, tile, steps, VEC, T_q, scale, acc, s_zero, n_steps, D, BM, BN,
+                          s_layout, a_layout)
+        stage = k_smem
+    else:
+        acc = _dp_dk_steps(kv, q_ring, do_ring, p_ring, tile, steps, VEC, T_q, acc, s_zero, n_steps, BM, s_layout,
+                           a_layout)
+        stage = v_smem
+        acc = acc * scale
+    stage.store(acc.to(OUT.dtype.element_ty))
     gl.thread_barrier()
-    U.store_rows(v_smem, DK, k0 + n0, hk, sdkt, sdkh, L_k - n0, BN, D, 4)
+    U.store_rows(stage, OUT, k0 + n0, hk, sot, soh, L_k - n0, BN, D, 4)
 
 
 @gluon.jit(do_not_specialize=_RUNTIME)
@@ -343,9 +360,10 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, CU_Q, CU_K,
         tile = (q0, k0, n0, L_q, L_k_out, offset)
         steps = (hk, group, m_lo, n_m)  # `_step`
         gl.warp_specialize([
-            (_dkdv_s_dv, (kv, q_ring, do_ring, p_ring, tile, steps, LSE, T_q, qk_scale, (DV, sdvt, sdvh), D, BM, BN)),
-            (_dkdv_dp_dk, (kv, q_ring, do_ring, p_ring, tile, steps, DELTA, T_q, sm_scale, (DK, sdkt, sdkh), D, BM,
-                           BN)),
+            (_dkdv_wg, (kv, q_ring, do_ring, p_ring, tile, steps, LSE, T_q, qk_scale, (DV, sdvt, sdvh), D, BM, BN,
+                        True)),
+            (_dkdv_wg, (kv, q_ring, do_ring, p_ring, tile, steps, DELTA, T_q, sm_scale, (DK, sdkt, sdkh), D, BM, BN,
+                        False)),
             (_dkdv_loader, ((q_desc, k_desc, v_desc, do_desc), kv, q_ring, do_ring, tile, steps, D, BM)),
         ], [4, 1], [240, 24])
 

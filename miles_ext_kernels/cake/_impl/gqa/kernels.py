@@ -45,17 +45,24 @@ _RUNTIME = ["sm_scale", "T_q", "T_k", "n_seg", "n_iter", "H_q", "H_kv", "group"]
 
 
 @triton.jit
+def _last_le(A, x, n, n_iter):
+    """The last s < n with A[s] <= x, for a nondecreasing A with A[0] <= x: a binary search of n_iter halvings
+    (n_iter >= log2(n))."""
+    lo = x * 0
+    hi = lo + n
+    for _ in range(n_iter):
+        mid = (lo + hi) // 2
+        go = tl.load(A + mid) <= x
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo
+
+
+@triton.jit
 def _find_tile(TS, CU_A, CU_B, t, n_seg, n_iter, REVERSE: tl.constexpr):
     """Segment s with TS[s] <= t < TS[s+1]; the tile's index within it (REVERSE: last tile first, which is the
     heaviest causal query tile), and the segment's start and length in CU_A and CU_B."""
-    lo = t * 0
-    hi = lo + n_seg
-    for _ in range(n_iter):
-        mid = (lo + hi) // 2
-        go = tl.load(TS + mid) <= t
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid)
-    seg = lo
+    seg = _last_le(TS, t, n_seg, n_iter)
     first = tl.load(TS + seg)
     n_tiles = tl.load(TS + seg + 1) - first
     if REVERSE:
@@ -83,9 +90,8 @@ def _finite_v(v, keep, nan_i):
 
 
 @triton.jit
-def _fwd_block(acc, l_i, m_i, nan_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
-               BN: tl.constexpr, MASK: tl.constexpr, DIAG_ONLY: tl.constexpr, SAFE: tl.constexpr,
-               INTERPRET: tl.constexpr):
+def _kv_scores(q, k_ptrs, v_ptrs, n, offs_n, L_k, qk_scale, MASK: tl.constexpr, INTERPRET: tl.constexpr):
+    """K and V of the key block at n (MASK: rows past L_k loaded as 0) and the scaled scores S = Q K^T [BM, BN]."""
     if MASK:
         kvalid = (n + offs_n) < L_k
         k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
@@ -96,7 +102,14 @@ def _fwd_block(acc, l_i, m_i, nan_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, o
     if INTERPRET:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    return k, v, tl.dot(q, tl.trans(k)) * qk_scale
+
+
+@triton.jit
+def _fwd_block(acc, l_i, m_i, nan_i, q, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
+               BN: tl.constexpr, MASK: tl.constexpr, DIAG_ONLY: tl.constexpr, SAFE: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    k, v, s = _kv_scores(q, k_ptrs, v_ptrs, n, offs_n, L_k, qk_scale, MASK, INTERPRET)
     if MASK:
         if (n + BN > m0 + offset + 1) or (not DIAG_ONLY):  # DIAG_ONLY: mask only blocks on the diagonal
             keep = ((n + offs_n)[None, :] <= (m0 + offs_m)[:, None] + offset) & ((n + offs_n)[None, :] < L_k)
@@ -171,6 +184,14 @@ def _fwd_tile(Q, K, V, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, pid
     tl.store(LSE + h.to(tl.int64) * T_q + q0 + m0 + offs_m, lse, mask=rvalid)
 
 
+@triton.jit
+def _program_tile(TS, n_seg, H):
+    """This program's head and tile (a grid of tiles times H heads, heads inner), and the tile count TS[n_seg]:
+    programs whose tile is past it zero the padding rows."""
+    pid = tl.program_id(0)
+    return pid % H, pid // H, tl.load(TS + n_seg)
+
+
 @triton.jit(do_not_specialize=_RUNTIME)
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
                 sm_scale, T_q, n_seg, n_iter, H_q, group,
@@ -178,10 +199,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DIAG_ONLY: tl.constexpr,
                 INTERPRET: tl.constexpr):
     """Out and LSE of one query tile and head; LSE NaN marks a row that came out non-finite (`_fwd_tile`)."""
-    pid = tl.program_id(0)
-    h = pid % H_q
-    t = pid // H_q
-    total = tl.load(TS + n_seg)
+    h, t, total = _program_tile(TS, n_seg, H_q)
     if t >= total:
         # padding rows past cu_seqlens_q[-1]: out 0, LSE -inf
         offs_m = tl.arange(0, BM)
@@ -192,8 +210,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
         tl.store(o_ptrs, tl.zeros([BM, D], dtype=O.dtype.element_ty), mask=rmask[:, None])
         tl.store(LSE + h.to(tl.int64) * T_q + rows, tl.full([BM], float("-inf"), tl.float32), mask=rmask)
     else:
-        _fwd_tile(Q, K, V, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, pid, H_q, group, sqt, sqh, skt, skh,
-                  svt, svh, sot, soh, D, BM, BN, DIAG_ONLY, False, INTERPRET)
+        _fwd_tile(Q, K, V, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, tl.program_id(0), H_q, group, sqt,
+                  sqh, skt, skh, svt, svh, sot, soh, D, BM, BN, DIAG_ONLY, False, INTERPRET)
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
@@ -221,13 +239,7 @@ def _fwd_fix_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
                         h = r // T_q
                         row = r - h * T_q
                         # the segment holding the row: the last one whose start is <= row (empty ones share starts)
-                        lo = row * 0
-                        hi = lo + n_seg
-                        for _ in range(n_iter):
-                            mid = (lo + hi) // 2
-                            go = tl.load(CU_Q + mid) <= row
-                            lo = tl.where(go, mid, lo)
-                            hi = tl.where(go, hi, mid)
+                        lo = _last_le(CU_Q, row, n_seg, n_iter)
                         first = tl.load(TS + lo)
                         n_tiles = tl.load(TS + lo + 1) - first
                         pid = (first + n_tiles - 1 - (row - tl.load(CU_Q + lo)) // BM) * H_q + h  # heaviest first
@@ -242,17 +254,7 @@ def _fwd_fix_kernel(Q, K, V, O, LSE, CU_Q, CU_K, TS,
 @triton.jit
 def _dq_block(dq, q, do, lse2, delta, k_ptrs, v_ptrs, n, offs_m, offs_n, m0, offset, L_k, qk_scale,
               BN: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr):
-    if MASK:
-        kvalid = (n + offs_n) < L_k
-        k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    if INTERPRET:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    k, v, s = _kv_scores(q, k_ptrs, v_ptrs, n, offs_n, L_k, qk_scale, MASK, INTERPRET)
     p = tl.math.exp2(s - lse2[:, None])
     if MASK:
         if n + BN > m0 + offset + 1:  # only blocks on the causal diagonal need the mask
@@ -274,11 +276,8 @@ def _bwd_dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, CU_Q, CU_K, TS,
                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr):
     """dQ of one query tile and head; also computes delta = rowsum(dO * O) of the tile and stores it for the dK/dV
     kernel, which runs after this one."""
-    pid = tl.program_id(0)
-    h = pid % H_q
-    t = pid // H_q
+    h, t, total = _program_tile(TS, n_seg, H_q)
     hk = h // group
-    total = tl.load(TS + n_seg)
     offs_m = tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
