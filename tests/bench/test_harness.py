@@ -30,6 +30,7 @@ SCALAR = (str, int, float, bool, type(None))
 def _load(name):
     spec = importlib.util.spec_from_file_location(f"mek_bench_{name}", BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there (bench/step.py declares some)
     spec.loader.exec_module(mod)
     return mod
 
@@ -79,8 +80,9 @@ ON_CPU = {
 def test_every_benchmark_is_dry_run_here():
     # tools, and the HF model step (its own script, not a declaration: it times whole models)
     # host.py re-times the declarations below on tiny shapes (its own test: test_host_declares_every_op_tiny)
+    # step.py times a layer stack per stack and run, not a declaration (its own test: test_step_dry_run)
     files = {p.stem for p in BENCH.glob("*.py")} - {"_common", "plot", "ab", "sass", "model", "kda_sass", "kda_profile",
-                                                    "host", "cp_nccl"}
+                                                    "host", "cp_nccl", "step"}
     assert files == set(ON_CPU), "a bench/<op>.py is missing from ON_CPU (or ON_CPU names a file that is gone)"
 
 
@@ -105,6 +107,42 @@ def test_declaration_dry_run(name, tmp_path):
         ours = [r for r in doc["accuracy"] if r["provider"].startswith("cake")]
         assert ours and all(v < 2e-2 for r in ours for k, v in r.items() if k.startswith("err_"))
     _check_plot_reads(path, tmp_path)
+
+
+@pytest.mark.interpreter
+def test_step_dry_run(tmp_path):
+    """bench/step.py on CPU: ours runs eagerly (det bits repeat), graph and peers are skipped, the file is in the
+    harness's layout and plot.py reads it."""
+    mod = _load("step")
+    assert mod.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    path = tmp_path / "step.json"
+    doc = json.loads(path.read_text())
+    _check_doc(doc)
+    assert doc["dry_run"] is True and not doc["failures"] and doc["config"]["tokens"] == sum(doc["config"]["docs"])
+    assert [(r["stack"], r["run"], r["mode"]) for r in doc["rows"]] == [("cake det", "eager", "full")]
+    assert all(r["bits_repeat"] is True and r["tokens_per_s"] > 0 for r in doc["rows"])
+    skipped = {(s["provider"], s["run"]): s["reason"] for s in doc["skipped"]}
+    assert "CUDA" in skipped[("cake det", "graph")] and "CUDA" in skipped[(mod.PEERS, "*")]
+    _check_plot_reads(path, tmp_path)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("docs", ["regular", "irregular"])
+def test_step_sdpa_peer_matches_ours(docs):
+    """The peers' SDPA attention (dense for equal documents, each document padded otherwise) in our stack gives our
+    step's output and gradients: its layouts and its padding are right (fla and Liger need a GPU)."""
+    mod = _load("step")
+    dims, device = mod.DRY, "cpu"
+    lens = mod.DRY_LENS[docs]
+    d = mod.Docs.make(lens, device)
+    w = mod.make_weights(dims, device)
+    x, dy = mod.make_inputs(dims, sum(lens), device)
+    ours = mod.ours_ops(dims, device)
+    sdpa = mod.Ops("sdpa", ours.norm, mod.sdpa_attention(dims), ours.conv, ours.gdn, ours.gated_norm)
+    want = mod.make_step(ours, w, x, dy, d, dims)()
+    got = mod.make_step(sdpa, w, x, dy, d, dims)()
+    for name, a, b in zip(mod.result_names(w), got, want, strict=True):
+        assert _common.rel_rms(a, b) < 2e-2, name
 
 
 # ---------------------------------------------------------------------------------------------------- synthetic
