@@ -15,8 +15,8 @@ Stacks, from the same weights and inputs (the projections are torch's bf16 matmu
   rmsnorm_silu_gate, every op configured det.
 - peers: fla's chunk_gated_delta_rule, causal_conv1d (backend "triton") and rms_norm_gated (FusedRMSNormGated's
   function), Liger's RMSNorm (offset 1.0, casting mode "gemma"), and flash_attn's flash_attn_varlen_func where it
-  imports, else torch SDPA (causal; dense [B, H, L, D] when every document has the same length, else each document
-  padded to the longest). Labelled by what ran; skipped, with the reason printed, where fla or Liger do not import.
+  imports, else torch's own FlashAttention-2 varlen aten ops (bench/gqa.py's "FA2 varlen" peer), else torch SDPA
+  (causal; dense [B, H, L, D] when every document has the same length, else each document padded to the longest). Labelled by what ran; skipped, with the reason printed, where fla or Liger do not import.
 Runs per stack: eager (one forward + torch.autograd.grad of the output w.r.t. the input and every weight, with a
 fixed output gradient) and graph (that step captured once in a CUDA graph after a warm-up on a side stream, static
 inputs and gradients, replayed). A stack that fails to capture is recorded with the message (a failure of ours
@@ -238,9 +238,38 @@ def fa2_attention(dims: Dims):
     return attention
 
 
+class _AtenFA2(torch.autograd.Function):
+    """torch's own FlashAttention-2 varlen kernels (the aten ops bench/gqa.py's "FA2 varlen" peer calls; in every
+    CUDA build of torch, flash_attn package or not), causal, GQA native."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, scale):
+        o, lse, seed, off, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True,
+                                                                        False, scale=scale)
+        ctx.save_for_backward(q, k, v, o, lse, cu, seed, off)
+        ctx.max_len, ctx.scale = max_len, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu, seed, off = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(do.contiguous(), q, k, v, o, lse, cu, cu, ctx.max_len,
+                                                              ctx.max_len, 0.0, True, seed, off, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def aten_fa2_attention(dims: Dims):
+    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        raise RuntimeError("this torch has no aten._flash_attention_forward")
+
+    def attention(q, k, v, docs):
+        return _AtenFA2.apply(q, k, v, docs.cu32, docs.max_len, dims.d ** -0.5)
+    return attention
+
+
 def peer_ops(dims: Dims, device) -> Ops:
     """fla (GDN core, conv, gated norm) + Liger (RMSNorm) + FA2-varlen or SDPA (attention); Skip where fla or
-    Liger do not import."""
+    Liger do not import. Attention: flash_attn's varlen function, else torch's own FA2 varlen aten ops, else SDPA."""
     if not str(device).startswith("cuda"):
         raise Skip("needs a CUDA GPU")
     _need("fla")
@@ -257,8 +286,13 @@ def peer_ops(dims: Dims, device) -> Ops:
     try:
         attention, attn_label = fa2_attention(dims), f"FA2-varlen {_version('flash-attn', 'flash_attn')}"
     except Exception as e:  # noqa: BLE001 - the GPU machine of record has no flash_attn build
-        print(f"  peers: flash_attn does not import ({e!r}"[:200] + "); attention through torch SDPA", flush=True)
-        attention, attn_label = sdpa_attention(dims), "SDPA"
+        try:
+            attention, attn_label = aten_fa2_attention(dims), f"FA2-varlen (torch {torch.__version__} aten)"
+            print(f"  peers: flash_attn does not import ({e!r}"[:200] + "); attention through torch's FA2 varlen",
+                  flush=True)
+        except Exception as e2:  # noqa: BLE001
+            print(f"  peers: no FA2 varlen ({e2!r}"[:200] + "); attention through torch SDPA", flush=True)
+            attention, attn_label = sdpa_attention(dims), "SDPA"
 
     def gdn_core(q, k, v, g, beta, docs):
         return fla_gdn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=docs.cu64)[0]
