@@ -12,9 +12,11 @@ Stacks (each from the same weights):
   causal_conv1d_fn as its conv hook where installed (else HF's torch conv), attn_implementation="flash_attention_2",
   on DataCollatorWithFlattening's packed batch with cu_seq_lens_q/k. Its conv does not see the documents (neither
   hook takes cu_seqlens), so its conv taps cross documents.
-- HF + fla + sdpa (padded): where fla imports and flash_attn does not (the GPU machine of record has no flash_attn
-  build): fla's GDN hook as above, HF's torch conv, sdpa attention, on the padded batch (which HF computes correctly:
-  right padding, no state leak). The bar is then measured against this stack and says so.
+- HF + fla + FA2 varlen, torch aten (packed): where fla imports and flash_attn does not (the GPU machine of record
+  has no flash_attn build): the same peer with torch's own FA2 varlen kernels (aten ops, as bench/gqa.py's FA2
+  peer) registered as HF attention implementation "torch_fa2_varlen"; the bar is measured against it.
+- HF + fla + sdpa (padded): the same without FA2, sdpa attention on the padded batch (which HF computes correctly:
+  right padding, no state leak); the bar's peer where torch has no FA2 varlen op.
 - HF + cake (packed): `apply_to_qwen3_next(model)` on the same packed batch (every layer document-isolated); also on
   the padded batch (unpadded internally).
 Times: `median_ms` (one sync per step: the host's work counts) and `device_ms` (the host's launch work hidden
@@ -142,6 +144,50 @@ def fla_hooks():
     return Hooks(**fns), label
 
 
+TORCH_FA2 = "torch_fa2_varlen"
+
+
+def register_torch_fa2() -> str | None:
+    """Register torch's own FlashAttention-2 varlen kernels (the aten ops bench/gqa.py's "FA2 varlen" peer calls,
+    in every CUDA build of torch) as the HF attention implementation "torch_fa2_varlen", for the packed batch: it
+    reads DataCollatorWithFlattening's cu_seq_lens_q / max_length_q as HF's flash_attention_2 does. Returns the
+    name, or None where this torch has no such op."""
+    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return None
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    class _FA2(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, cu, max_len, scale):
+            o, lse, seed, off, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0,
+                                                                            True, False, scale=scale)
+            ctx.save_for_backward(q, k, v, o, lse, cu, seed, off)
+            ctx.max_len, ctx.scale = max_len, scale
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, o, lse, cu, seed, off = ctx.saved_tensors
+            dq, dk, dv = torch.ops.aten._flash_attention_backward(do.contiguous(), q, k, v, o, lse, cu, cu,
+                                                                  ctx.max_len, ctx.max_len, 0.0, True, seed, off,
+                                                                  scale=ctx.scale)
+            return dq, dk, dv, None, None, None
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+        if cu is None or query.shape[0] != 1:
+            raise ValueError("torch_fa2_varlen serves the packed batch only (cu_seq_lens_q / max_length_q)")
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [B, H, S, D] -> [S, H, D]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        o = _FA2.apply(q, k, v, cu.to(torch.int32), int(max_len), scale)
+        return o[None], None  # [1, S, H, D], as HF's flash_attention_2 returns
+
+    AttentionInterface.register(TORCH_FA2, attention)
+    AttentionMaskInterface.register(TORCH_FA2, flash_attention_mask)
+    return TORCH_FA2
+
+
 def fa2_available() -> bool:
     try:
         import flash_attn  # noqa: F401
@@ -235,10 +281,19 @@ def main():
     if hooks is None:
         notes["HF + fla"] = f"skipped: {label}"
     elif not fa2_available():
-        notes["HF + fla + FA2"] = "skipped: flash_attn not importable; the bar is measured against HF + fla + sdpa"
-        peer_name = "fla + sdpa"
-        peer, m = run(f"HF + {label} + sdpa (padded)", lambda: fresh("sdpa"), padded, hooks)
-        rows += [peer] if peer else []
+        torch_fa2 = register_torch_fa2()
+        if torch_fa2:  # the same FA2 varlen kernels, from torch's build
+            notes["HF + fla + FA2"] = "flash_attn not importable: FA2 varlen through torch's aten kernels"
+            peer_name = "fla + FA2 (torch)"
+            peer, m = run(f"HF + {label} + FA2 varlen, torch aten (packed)", lambda: fresh(torch_fa2), packed,
+                          hooks)
+            rows += [peer] if peer else []
+            done(m)
+        row, m = run(f"HF + {label} + sdpa (padded)", lambda: fresh("sdpa"), padded, hooks)
+        if row and peer is None:
+            notes["HF + fla + FA2"] = "skipped: no FA2 varlen; the bar is measured against HF + fla + sdpa"
+            peer, peer_name = row, "fla + sdpa"
+        rows += [row] if row else []
         done(m)
     else:
         peer, m = run(f"HF + {label} + FA2 (packed)", lambda: fresh("flash_attention_2"), packed, hooks)
