@@ -95,27 +95,28 @@ def _rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, part_ptr, cnt_ptr, dw_ptr,
             wdy_b = dyb * wb[None, :]
             cs += tl.sum(wdy_b * xhat_b, axis=1)
         c = cs / H
-        dx = (wdy - xhat * c[:, None]) * rstd[:, None]
-        tl.store(dx_ptr + do[:, None] + ca[None, :], dx.to(dx_ptr.dtype.element_ty), mask=rmask)
-        # compensated sum over this program's rows: a program walks ~T / P rows (hundreds), and a plain fp32
-        # running sum would lose ~sqrt(rows) ulps; Kahan keeps the weight gradient within a few ulps
-        if KAHAN:
-            term = dy * xhat - comp
-            total = acc + term
-            comp = (total - acc) - term
-            acc = total
-        else:
-            acc += dy * xhat
-        if BLOCK_B > 0:
-            dx_b = (wdy_b - xhat_b * c[:, None]) * rstd[:, None]
-            tl.store(dx_ptr + do[:, None] + cb[None, :], dx_b.to(dx_ptr.dtype.element_ty), mask=mb)
-            if KAHAN:
-                term_b = dyb * xhat_b - comp_b
-                total_b = acc_b + term_b
-                comp_b = (total_b - acc_b) - term_b
-                acc_b = total_b
+        # the A tile, then the B tile if any, through the same code in the kernel's own scope (a @triton.jit
+        # helper's inlined debug scope moves ptxas's scheduling boundaries: different SASS at H 4096)
+        for t in tl.static_range(2 if BLOCK_B > 0 else 1):
+            if t == 0:
+                cols, mask, wdy_t, xhat_t, dy_t, acc_t, comp_t = ca, rmask, wdy, xhat, dy, acc, comp
             else:
-                acc_b += dyb * xhat_b
+                cols, mask, wdy_t, xhat_t, dy_t, acc_t, comp_t = cb, mb, wdy_b, xhat_b, dyb, acc_b, comp_b
+            dx = (wdy_t - xhat_t * c[:, None]) * rstd[:, None]
+            tl.store(dx_ptr + do[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            # compensated sum over this program's rows: a program walks ~T / P rows (hundreds), and a plain fp32
+            # running sum would lose ~sqrt(rows) ulps; Kahan keeps the weight gradient within a few ulps
+            if KAHAN:
+                term = dy_t * xhat_t - comp_t
+                total = acc_t + term
+                comp_t = (total - acc_t) - term
+                acc_t = total
+            else:
+                acc_t += dy_t * xhat_t
+            if t == 0:
+                acc, comp = acc_t, comp_t
+            else:
+                acc_b, comp_b = acc_t, comp_t
     dw = tl.sum(acc, axis=0)
     prow = part_ptr + pid.to(tl.int64) * H
     tl.store(prow + ca, dw)
