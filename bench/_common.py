@@ -197,6 +197,32 @@ TIMER_DOC = {
 FORMAT = 2  # results-file layout: one row per (op, shape, provider, mode); plot.py also reads the layout before it
 
 
+class AtenFA2Varlen(torch.autograd.Function):
+    """torch's own FlashAttention-2 varlen kernels (`aten._flash_attention_forward / _backward`, in every CUDA build
+    of torch, flash_attn package or not) as one autograd function: causal, GQA native, dropout 0. q [T, Hq, D],
+    k / v [T, Hkv, D], cu int32 [N + 1]; returns o [T, Hq, D]. The FA2 peer of bench/model.py and bench/step.py
+    (bench/gqa.py calls the same ops without autograd)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len: int, scale: float):
+        o, lse, seed, off, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True,
+                                                                        False, scale=scale)
+        ctx.save_for_backward(q, k, v, o, lse, cu, seed, off)
+        ctx.max_len, ctx.scale = max_len, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu, seed, off = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(do.contiguous(), q, k, v, o, lse, cu, cu, ctx.max_len,
+                                                              ctx.max_len, 0.0, True, seed, off, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def has_aten_fa2() -> bool:
+    return hasattr(torch.ops.aten, "_flash_attention_forward")
+
+
 class Skip(Exception):
     """Raised by a provider's factory: the provider does not run on this shape (the message says why)."""
 
@@ -373,7 +399,8 @@ class Timed:
 
 
 @contextlib.contextmanager
-def _configured(config: dict):
+def configured(config: dict):
+    """`miles_ext_kernels.configure(**config)` inside the block, the defaults after it."""
     import miles_ext_kernels as mek
 
     mek.configure(**config)
@@ -451,7 +478,7 @@ class _Run:
                 continue
             base = {"op": bench.name, "shape": label, "provider": p.name}
             try:
-                with _configured(p.config):
+                with configured(p.config):
                     timed = Timed(p.make(inputs, params))
                     rows = []
                     for mode in modes:
@@ -497,7 +524,7 @@ class _Run:
                 self.note_skip(bench.name, label, "accuracy", f"reference {bench.reference!r} does not run here")
                 return
             try:
-                with _configured(p.config):
+                with configured(p.config):
                     ref = Timed(p.make(inputs, params)).result()
             except Exception as e:  # noqa: BLE001
                 self.note_failure(bench.name, label, f"accuracy reference {p.name}", e, False)
@@ -506,7 +533,7 @@ class _Run:
             if not p.accuracy or p.name == bench.reference or (p.when is not None and not p.when(label, params)):
                 continue
             try:
-                with _configured(p.config):
+                with configured(p.config):
                     got = Timed(p.make(inputs, params)).result()
                 if got is None:
                     continue

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import device_ms, median_ms, print_table, write_results  # noqa: E402
+from _common import AtenFA2Varlen, device_ms, has_aten_fa2, median_ms, print_table, write_results  # noqa: E402
 
 TOKENS = 32768
 BAR = 1.3
@@ -152,27 +152,10 @@ def register_torch_fa2() -> str | None:
     in every CUDA build of torch) as the HF attention implementation "torch_fa2_varlen", for the packed batch: it
     reads DataCollatorWithFlattening's cu_seq_lens_q / max_length_q as HF's flash_attention_2 does. Returns the
     name, or None where this torch has no such op."""
-    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+    if not has_aten_fa2():
         return None
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-
-    class _FA2(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, cu, max_len, scale):
-            o, lse, seed, off, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0,
-                                                                            True, False, scale=scale)
-            ctx.save_for_backward(q, k, v, o, lse, cu, seed, off)
-            ctx.max_len, ctx.scale = max_len, scale
-            return o
-
-        @staticmethod
-        def backward(ctx, do):
-            q, k, v, o, lse, cu, seed, off = ctx.saved_tensors
-            dq, dk, dv = torch.ops.aten._flash_attention_backward(do.contiguous(), q, k, v, o, lse, cu, cu,
-                                                                  ctx.max_len, ctx.max_len, 0.0, True, seed, off,
-                                                                  scale=ctx.scale)
-            return dq, dk, dv, None, None, None
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
@@ -180,7 +163,7 @@ def register_torch_fa2() -> str | None:
             raise ValueError("torch_fa2_varlen serves the packed batch only (cu_seq_lens_q / max_length_q)")
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [B, H, S, D] -> [S, H, D]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        o = _FA2.apply(q, k, v, cu.to(torch.int32), int(max_len), scale)
+        o = AtenFA2Varlen.apply(q, k, v, cu.to(torch.int32), int(max_len), scale)
         return o[None], None  # [1, S, H, D], as HF's flash_attention_2 returns
 
     AttentionInterface.register(TORCH_FA2, attention)

@@ -16,7 +16,8 @@ Stacks, from the same weights and inputs (the projections are torch's bf16 matmu
 - peers: fla's chunk_gated_delta_rule, causal_conv1d (backend "triton") and rms_norm_gated (FusedRMSNormGated's
   function), Liger's RMSNorm (offset 1.0, casting mode "gemma"), and flash_attn's flash_attn_varlen_func where it
   imports, else torch's own FlashAttention-2 varlen aten ops (bench/gqa.py's "FA2 varlen" peer), else torch SDPA
-  (causal; dense [B, H, L, D] when every document has the same length, else each document padded to the longest). Labelled by what ran; skipped, with the reason printed, where fla or Liger do not import.
+  (causal; dense [B, H, L, D] when every document has the same length, else each document padded to the longest).
+  Labelled by what ran; skipped, with the reason printed, where fla or Liger do not import.
 Runs per stack: eager (one forward + torch.autograd.grad of the output w.r.t. the input and every weight, with a
 fixed output gradient) and graph (that step captured once in a CUDA graph after a warm-up on a side stream, static
 inputs and gradients, replayed). A stack that fails to capture is recorded with the message (a failure of ours
@@ -50,7 +51,19 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import FORMAT, TIMER_DOC, _dry_ms, device_ms, median_ms, print_table, rel_rms, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    FORMAT,
+    TIMER_DOC,
+    AtenFA2Varlen,
+    _dry_ms,
+    configured,
+    device_ms,
+    has_aten_fa2,
+    median_ms,
+    print_table,
+    rel_rms,
+    write_results,
+)
 from model import doc_lengths  # noqa: E402 - the same 12 irregular documents as the model benchmark
 
 BF = torch.bfloat16
@@ -238,32 +251,12 @@ def fa2_attention(dims: Dims):
     return attention
 
 
-class _AtenFA2(torch.autograd.Function):
-    """torch's own FlashAttention-2 varlen kernels (the aten ops bench/gqa.py's "FA2 varlen" peer calls; in every
-    CUDA build of torch, flash_attn package or not), causal, GQA native."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_len, scale):
-        o, lse, seed, off, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True,
-                                                                        False, scale=scale)
-        ctx.save_for_backward(q, k, v, o, lse, cu, seed, off)
-        ctx.max_len, ctx.scale = max_len, scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, cu, seed, off = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(do.contiguous(), q, k, v, o, lse, cu, cu, ctx.max_len,
-                                                              ctx.max_len, 0.0, True, seed, off, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
 def aten_fa2_attention(dims: Dims):
-    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+    if not has_aten_fa2():
         raise RuntimeError("this torch has no aten._flash_attention_forward")
 
     def attention(q, k, v, docs):
-        return _AtenFA2.apply(q, k, v, docs.cu32, docs.max_len, dims.d ** -0.5)
+        return AtenFA2Varlen.apply(q, k, v, docs.cu32, docs.max_len, dims.d ** -0.5)
     return attention
 
 
@@ -454,17 +447,6 @@ def run_graph(step, args, eager_result):
     row["bits_vs_eager"] = same_bits(first, eager_result) if eager_result is not None else None
     del graph, static
     return row
-
-
-@contextlib.contextmanager
-def configured(config: dict):
-    import miles_ext_kernels as mek
-
-    mek.configure(**config)
-    try:
-        yield
-    finally:
-        mek.configure()
 
 
 def _free(device):
