@@ -38,9 +38,9 @@ converts its (bf16-rounded) operands to fp32 under the INTERPRET flag.
 import triton
 import triton.language as tl
 
-# the gate-independent kernels and helpers live in the delta-rule core shared with kda (moved unchanged)
+# the gate-independent kernels and helpers live in the delta-rule core shared with kda
 from ..delta_rule import common
-from ..delta_rule.common import (  # noqa: F401 - still names of this module after the move
+from ..delta_rule.common import (
     _causal_store,
     _dot,
     _dot32,
@@ -52,8 +52,6 @@ from ..delta_rule.common import (  # noqa: F401 - still names of this module aft
     _state_start,
     _store_a,
     _store_slot,
-    bwd_final_kernel,
-    l2norm_fwd_kernel,
 )
 
 BT = common.BT  # chunk length
