@@ -84,8 +84,9 @@ def test_dqkw_in_k_slices(bk, bk_dk, split, monkeypatch):
     order) matches the FP64 recurrence in fp32, split into two launches or not."""
     configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
     monkeypatch.setitem(configs.CFG, "dqkw", dict(configs.CFG["dqkw"], BK=bk, BK_dk=bk_dk, SPLIT=split))
-    launches, slots = ops._dqkw_launches(configs.CFG, 64)
+    launches, slots, direct = ops._dqkw_launches(configs.CFG, 64)
     assert slots == (64 // bk + 64 // bk_dk if split else 64 // bk) and slots > 1
+    assert direct == 64 // (bk_dk if split else bk)
     errs = _fp32_case([15, 70, 50], 2, 4, 64, 32, True, True)
     for name, err in errs.items():
         assert err < 5e-6, (name, err, errs)

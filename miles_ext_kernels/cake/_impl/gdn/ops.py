@@ -37,15 +37,17 @@ _pdt, _kdt, _empty0 = core.partial_dtype, core.dk_dtype, core.empty0
 
 
 def _dqkw_launches(tab: dict, K: int) -> tuple:
-    """(phase, BK, first dG slot) of each dq / dk / dw launch, and the number of dG slots. Phases: (0,) one launch
-    of all three; (1, 2) a dq, dw launch and a dk launch (fewer live tiles each, each with its own BK)."""
+    """(phase, BK, first dG slot, first dg slot) of each dq / dk / dw launch, the number of dG slots and of dg slots
+    (one per K slice of the launches with the dk part: its state term of dg, see bwd_dqkw_kernel). Phases: (0,) one
+    launch of all three; (1, 2) a dq, dw launch and a dk launch (fewer live tiles each, each with its own BK)."""
     c = tab["dqkw"]
-    out, slot = [], 0
+    out, slot, direct = [], 0, 0
     for phase in ((1, 2) if c["SPLIT"] else (0,)):
         bk = min(K, c["BK_dk" if phase == 2 else "BK"])
-        out.append((phase, bk, slot))
+        out.append((phase, bk, slot, direct))
         slot += K // bk
-    return out, slot
+        direct += K // bk if phase != 1 else 0
+    return out, slot, direct
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -208,18 +210,19 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
     kdt = _kdt(tab, dt)  # dk of dqkw, read back by the WY backward
     dkv = _ws("dkv", (Tt, HV, K), kdt, device)
     dw = _ws("dw", (Tt, HV, K), dt, device)
-    launches, NP = _dqkw_launches(tab, K)  # NP: partial dG sums per row
-    dgp = _ws("dgp", (Tt, HV, NP), torch.float32, device)
-    for phase, BK, slot0 in launches:
+    launches, NP, ND = _dqkw_launches(tab, K)  # NP: partial dG sums per row, ND: terms of dg
+    dgp = _ws("dgp", (Tt, HV, NP + ND), torch.float32, device)
+    for phase, BK, slot0, dslot0 in launches:
         launch(kn.bwd_dqkw_kernel, (P * (K // BK), HV), q=qn, k=kk, vn=vn, do=do, dd=dd, gc=gc, h=h, dhe=dhe, se=se,
                table=table, dq=dqv, dk=dkv, dw=dw, dgp=dgp, scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
-               PHASE=phase, NPART=NP, SLOT0=slot0, INTERPRET=INTERPRET, **_dqkw_cfg(tab, phase))
+               PHASE=phase, NPART=NP + ND, SLOT0=slot0, DSLOT0=NP + dslot0, INTERPRET=INTERPRET,
+               **_dqkw_cfg(tab, phase))
     dkf = dkv if pdt == kdt else _ws("dkf", (Tt, HV, K), pdt, device)
     dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=device)
     dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     dgf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     launch(kn.bwd_wy_kernel, grid, k=kk, v=v, beta=bf, gc=gc, A=A, dw=dw, dd=dd, se=se, table=table, dk=dkv, dko=dkf,
-           dgp=dgp, dv=dv, dbeta=dbf, dg=dgf, H=H, HV=HV, K=K, V=V, BT=BT, NK=NP, INTERPRET=INTERPRET,
+           dgp=dgp, dv=dv, dbeta=dbf, dg=dgf, H=H, HV=HV, K=K, V=V, BT=BT, NK=NP, ND=ND, INTERPRET=INTERPRET,
            **_cfg(tab, "wy"))
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)

@@ -448,12 +448,19 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: 
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, scale, H, HV, K: tl.constexpr,
+def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, dgx, scale, H, HV, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PHASE: tl.constexpr,
                     INTERPRET: tl.constexpr):
     """Per chunk and BK-wide slice of K: dq, dk (through o, Aqk and the state update), dw = -dd h^T and the slice's
     part of dG (per value head and key dimension). PHASE 0 does all; PHASE 1 only dq, dw; PHASE 2 only dk, adding
-    its dG to what PHASE 1 wrote (two launches, fewer live tiles each; each launch may use its own BK)."""
+    its dG to what PHASE 1 wrote (two launches, fewer live tiles each; each launch may use its own BK). dgx gets the
+    state term of dg itself (not of dG), added by the WY backward after its reverse scan.
+
+    dg without cancellation (as gdn's bwd_dqkw_kernel): each row's own (i = j) o term would appear in q * dq and in
+    k * dk, and the state term of dk (k_i * dks_i, of size exp(G_last - G_i)) at row i and summed on the last row;
+    their rounding residue would be all of a strongly decayed dg. So dq / dk take the diagonal as an elementwise term
+    outside dG, and the state term goes to dg directly as its exclusive prefix sum over rows (a product with the
+    strictly lower 0 / 1 matrix at fp32: each sum one fixed order of exact terms)."""
     pid = tl.program_id(0)
     hv = tl.program_id(1)
     p = pid // (K // BK)
@@ -483,6 +490,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
     b_do = tl.load(do + v_off, mask=m[:, None], other=0.)
     # dAqk = do dlt^T (Aqk holds the scale): the in-chunk matrix of both decay-weighted products
     b_m = _dot(b_do, tl.load(vn + vt_off, mask=m[None, :], other=0.), INTERPRET) * scale
+    md = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_m, 0.), 1)  # the diagonal (Gam_ii = 1)
     b_dg = tl.zeros([BT, BK], dtype=tl.float32)
     if PHASE != 2:
         b_ht = tl.load(h + st_t)
@@ -490,13 +498,14 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
         b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
         b_dw = -_dot(b_dd, b_ht, INTERPRET)
         tl.store(dw + out_k, _rnd(b_dw, dw.dtype.element_ty, INTERPRET), mask=m[:, None])
-        r_q, _c = _gated_pair(b_m, b_k, b_q, b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, True, True, False, DT,
+        r_q, _c = _gated_pair(b_m, b_k, b_q, b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, False, True, False, DT,
                               INTERPRET)
         b_dq += r_q
         b_dg += b_dq * b_q
+        b_dq += md[:, None] * b_k
         tl.store(dq + out_k, _rnd(b_dq, dq.dtype.element_ty, INTERPRET), mask=m[:, None])
     if PHASE != 1:
-        _r, c_k = _gated_pair(b_m, b_k, b_q, b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, True, False, True, DT,
+        _r, c_k = _gated_pair(b_m, b_k, b_q, b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, False, False, True, DT,
                               INTERPRET)
         last = tl.minimum(t0 + BT, eos) - 1
         g_last = tl.load(gc + last * (HV * K) + hv * K + o_k)
@@ -504,27 +513,28 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
         b_dhet = tl.load(dhe + st_t)
         b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
         b_dks = _dot(b_vn, b_dhet, INTERPRET) * fac
-        b_dk = c_k + b_dks
-        b_dg -= b_dk * b_k
+        b_dg -= c_k * b_k
+        b_dk = c_k + md[:, None] * b_q + b_dks
         tl.store(dk + out_k, _rnd(b_dk, dk.dtype.element_ty, INTERPRET), mask=m[:, None])
-        # the chunk-end decay exp(G_last) of the state and of the keys' weights: its dG lands on the last row
+        strict = tl.where(o_t[:, None] > o_t[None, :], 1., 0.)
+        tl.store(dgx + out_k, _dot32(strict, b_dks * b_k), mask=m[:, None])
+        # the chunk-end decay exp(G_last) of the state: its dG lands on the last row
         hd = tl.sum(tl.load(h + st_t).to(tl.float32) * b_dhet.to(tl.float32), 0)
-        extra = tl.exp(g_last) * hd + tl.sum(b_dks * b_k, 0)
-        b_dg += tl.where((o_t == (last - t0))[:, None], extra[None, :], 0.)
+        b_dg += tl.where((o_t == (last - t0))[:, None], (tl.exp(g_last) * hd)[None, :], 0.)
         if PHASE == 2:
             b_dg += tl.load(dgp + out_k, mask=m[:, None], other=0.)
     tl.store(dgp + out_k, b_dg, mask=m[:, None])
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, dko, dgp, dv, dbeta, dg, part,
+def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, dko, dgp, dgx, dv, dbeta, dg, part,
                   lower_bound, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """Backward through w = A X, u = A Y and A = (I + L)^-1; finishes dk, dv, dbeta and dg (reverse cumsum of dG,
     then through the in-kernel gate). dko = dk + this kernel's dk (dko may be dk); dgp holds the dq / dk / dw
-    kernel's dG. With the gate (GATE): part [P, HV * K + HV] gets this chunk's sums over its rows of ddt_bias
-    (column hv * K + d) and of dA_log's terms (column HV * K + hv); unused slots write zeros, so a fixed-order
-    column sum over the P slots gives the parameters' gradients."""
+    kernel's dG, dgx its terms of dg (added after the reverse scan). With the gate (GATE): part [P, HV * K + HV]
+    gets this chunk's sums over its rows of ddt_bias (column hv * K + d) and of dA_log's terms (column HV * K + hv);
+    unused slots write zeros, so a fixed-order column sum over the P slots gives the parameters' gradients."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     o_k = tl.arange(0, K)
@@ -588,6 +598,7 @@ def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, d
     # d of each token's log decay: a reverse scan (total - cumsum + x would leave every token an error of eps times
     # the chunk's total, one error shared by all of them, which the sums over tokens of ddt_bias / dA_log add up)
     b_dg = tl.cumsum(b_dg, axis=0, reverse=True)
+    b_dg += tl.load(dgx + w_off, mask=m[:, None], other=0.)
     if GATE != 0:
         a_log, bias = _gate_params(A_log, dt_bias, hv, o_k, K, GATE)
         x = tl.load(g + w_off, mask=m[:, None], other=0.).to(tl.float32) + bias[None, :]

@@ -245,18 +245,20 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     dkv = _ws("dkv", (Tt, HV, K), kdt, device)
     dw = _ws("dw", (Tt, HV, K), dt, device)
     dgp = _ws("dgp", (Tt, HV, K), torch.float32, device)
+    dgx = _ws("dgx", (Tt, HV, K), torch.float32, device)
     for phase, BK in _dqkw_launches(tab, K):
         launch(kn.bwd_dqkw_kernel, (P * (K // BK), HV), q=qn, k=kk, vn=vn, do=do, dd=dd, gc=gc, h=h, dhe=dhe, se=se,
-               table=table, dq=dqv, dk=dkv, dw=dw, dgp=dgp, scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
-               PHASE=phase, INTERPRET=INTERPRET, **_dqkw_cfg(tab, phase))
+               table=table, dq=dqv, dk=dkv, dw=dw, dgp=dgp, dgx=dgx, scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT,
+               BK=BK, PHASE=phase, INTERPRET=INTERPRET, **_dqkw_cfg(tab, phase))
     dkf = dkv if pdt == kdt else _ws("dkf", (Tt, HV, K), pdt, device)
     dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=device)
     dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     dg = torch.empty(B, T, HV, K, dtype=g.dtype, device=device)
     part = _ws("gate_part", (P, HV * K + HV), torch.float32, device) if gate else dbf
     launch(kn.bwd_wy_kernel, grid, k=kk, v=v, beta=bf, g=gd, A_log=al, dt_bias=db, gc=gc, A=A, dw=dw, dd=dd, se=se,
-           table=table, dk=dkv, dko=dkf, dgp=dgp, dv=dv, dbeta=dbf, dg=dg, part=part, lower_bound=float(lower_bound),
-           H=H, HV=HV, K=K, V=V, BT=BT, GATE=gate, INTERPRET=INTERPRET, **_cfg(tab, "wy"))
+           table=table, dk=dkv, dko=dkf, dgp=dgp, dgx=dgx, dv=dv, dbeta=dbf, dg=dg, part=part,
+           lower_bound=float(lower_bound), H=H, HV=HV, K=K, V=V, BT=BT, GATE=gate, INTERPRET=INTERPRET,
+           **_cfg(tab, "wy"))
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     core.key_head_sums(((q, dqv, dq), (k, dkf, dk)), Tt, H, HV, K, use_l2, _rows_cfg(tab, "final"))
