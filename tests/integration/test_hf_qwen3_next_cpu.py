@@ -5,8 +5,8 @@ dim 256, GDN 1 key head / 2 value heads at 128 / 128 (GVA), conv width 4, dense 
 of 6, 1, 9 and 4 tokens. `_hf_case.py` has the reference (unpatched HF in FP64 on the padded batch), the budget's
 unit (unpatched HF in bf16 on the padded batch: HF's torch fallbacks, sdpa) and the budgets: ours (bf16) within
 1.5x HF bf16's own error for the logits, the loss and every parameter group's gradient except the three fed only by
-the GDN decay (A_log, dt_bias, Qwen3.5's in_proj_a: see DECAY_DRIVEN there, they are not held to a ratio) - on the
-padded batch and on both packed batches.
+the GDN decay (A_log, dt_bias, Qwen3.5's in_proj_a: see DECAY_DRIVEN there, too few tokens here for a stable
+ratio; the GPU test holds them) - on the padded batch and on both packed batches.
 
 Measured here (triton 3.9 interpreter, its fp32 -> bf16 conversion rounding to nearest as a GPU does; seed 0), ratio
 of ours to HF bf16's error against FP64 (the padded and both packed runs give the same ratios):
@@ -15,9 +15,9 @@ of ours to HF bf16's error against FP64 (the padded and both packed runs give th
     lm_head 1.09, model.norm 0.96, input_layernorm 1.06, post_attention_layernorm 0.99, self_attn q_proj 1.07,
     k_proj 1.08, v_proj 0.99, o_proj 1.03, q_norm 1.01, k_norm 1.01, linear_attn in_proj_qkvz 1.02,
     in_proj_ba 1.28, conv1d 1.05, norm 0.92, out_proj 0.95, mlp gate 1.03, up 1.02, down 1.01; not held to the
-    ratio: A_log 1.59, dt_bias 1.71 (HF 3.5e-2 / 3.0e-2), per-token dL/dg 0.91 (HF 5.8e-2).
+    ratio: A_log 1.39, dt_bias 1.71 (HF 3.5e-2 / 3.0e-2), per-token dL/dg 0.91 (HF 5.8e-2).
 Qwen3.5 (its own test below, seed 0): logits 1.04, loss 1.69 (within its unit), held groups 0.80 - 1.17; not held:
-dL/dg 2.6 (strong decay, see DECAY_DRIVEN), A_log 20.7, dt_bias 12.0, in_proj_a 3.96. Every held budget also rejects
+dL/dg 0.45, A_log 0.42, dt_bias 0.16, in_proj_a 0.67 (the GPU test holds them). Every held budget also rejects
 our result scaled by 1.02 (logits, loss) or 1.05 (gradients). Packing: each packed document matches its padded row
 (bit-identical logits here: the kernels see the same token rows either way), while HF's own packed run (no fla)
 leaks state across documents: its later documents are off by up to 116x the per-document budget. The position-ids-
