@@ -18,6 +18,7 @@ from miles_ext_kernels.cake import conv1d as _conv1d
 from miles_ext_kernels.cake import gated_rmsnorm as _gated
 from miles_ext_kernels.cake import gdn as _gdn
 from miles_ext_kernels.cake import gqa as _gqa
+from miles_ext_kernels.cake import kda as _kda
 from miles_ext_kernels.cake import rmsnorm as _rmsnorm
 
 from .transformers import ATTN_IMPLEMENTATION as ATTN
@@ -34,15 +35,18 @@ class Family:
     module: str        # transformers' modelling module
     prefix: str        # class-name prefix
     text_model: str    # the decoder stack whose forward gets the varlen wrapper
-    projection: str    # "qkvz": Qwen3-Next's fused, key-head-grouped in_proj_qkvz / in_proj_ba; "qkv": Qwen3.5's
+    projection: str    # "qkvz": Qwen3-Next's fused, key-head-grouped in_proj_qkvz / in_proj_ba; "qkv": Qwen3.5's;
+                       # "kda": Kimi-Linear's q / k / v, forget-gate and output-gate projections
     apply_name: str
+    linear: str = "GatedDeltaNet"  # the linear-attention layer's class-name suffix
+    served: tuple = ("attention", "linear_attention", "norms")  # what the cake ops can take over in this family
 
     def classes(self):
         mod = importlib.import_module(self.module)
         p = self.prefix
         return types.SimpleNamespace(mod=mod, text_model=getattr(mod, self.text_model),
                                      attention=getattr(mod, f"{p}Attention"),
-                                     gdn=getattr(mod, f"{p}GatedDeltaNet"),
+                                     linear=getattr(mod, f"{p}{self.linear}"),
                                      gated_norm=getattr(mod, f"{p}RMSNormGated"),
                                      norm=getattr(mod, f"{p}RMSNorm"))
 
@@ -54,7 +58,14 @@ FAMILIES = {
                       "Qwen3_5TextModel", "qkv", "apply_to_qwen3_5"),
     "qwen3_5_moe": Family("qwen3_5_moe", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5Moe",
                           "Qwen3_5MoeTextModel", "qkv", "apply_to_qwen3_5_moe"),
+    # Kimi-Linear: its full attention is MLA (q / k head dim 192, v 128) and its norms are a plain RMSNorm and a
+    # sigmoid-gated one: none of them is a cake op, only the KDA layers are
+    "kimi_linear": Family("kimi_linear", "transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinear",
+                          "KimiLinearModel", "kda", "apply_to_kimi_linear", linear="DeltaAttention",
+                          served=("linear_attention",)),
 }
+# attention implementations of HF that keep the documents of a packed batch apart (for the layers cake leaves to HF)
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn", ATTN)
 
 
 @dataclass
@@ -229,6 +240,14 @@ def check_gdn(module):
             weight_dtype=str(conv.weight.dtype).removeprefix("torch."), x_dtype="bfloat16")
 
 
+def check_kda(module):
+    _served(module, "kda", _kda.check_supported, module.head_dim, module.head_dim, module.num_heads, module.num_heads)
+    conv = module.conv1d
+    _served(module, "conv1d", _conv1d.check_supported, kernel_size=module.conv_kernel_size,
+            activation=module.activation, has_bias=conv.bias is not None,
+            weight_dtype=str(conv.weight.dtype).removeprefix("torch."), x_dtype="bfloat16")
+
+
 def check_gated_norm(module):
     _served(module, "gated_rmsnorm", _gated.check_supported, int(module.weight.shape[0]))
     if getattr(module, "activation", "silu") not in ("silu", "swish"):
@@ -368,6 +387,89 @@ def _gdn_continue(self, family, hidden_states, cache_params, attention_mask, wei
     return self.out_proj(out.reshape(batch, seqlen, -1))
 
 
+def _kda_core(self, y, h, cu_seqlens, initial_state, output_final_state):
+    """Kimi-Linear's KDA core on the conv output y [T, 3 H K] and the layer input h [1, T, hidden] (for the gates):
+    (o [1, T, H, V], final state). The forget gate runs in the kernel (`use_gate_in_kernel`): the raw
+    f_b_proj(f_a_proj(h)), A_log and dt_bias, so their gradients come back through chunk_kda; beta as HF's."""
+    tokens, d = y.shape[0], self.qkv_dim
+    shape = (1, tokens, self.num_heads, self.head_dim)
+    q, k, v = (y[:, i * d:(i + 1) * d].view(shape) for i in range(3))
+    fg = self.forget_gate
+    g = fg.f_b_proj(fg.f_a_proj(h)).view(shape)
+    beta = torch.sigmoid(self.b_proj(h))
+    return _kda.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                          use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=fg.A_log.float().reshape(-1),
+                          dt_bias=fg.dt_bias.float(), cu_seqlens=cu_seqlens)
+
+
+def _kda_output(self, o, h):
+    """HF's output gate, sigmoid-gated norm and output projection: o [1, T, H, V], h [1, T, hidden] -> [1, T,
+    hidden]."""
+    gate = self.g_b_proj(self.g_a_proj(h)).view(o.shape)
+    out = self.o_norm(o[0], gate[0])
+    return self.o_proj(out.reshape(1, out.shape[0], -1))
+
+
+def _kda_mixed(self, h):
+    return torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+
+
+def make_kda_forward(family: Family):
+    from transformers.integrations.accelerate import force_accelerate_hooks
+
+    @force_accelerate_hooks("conv1d")
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        # Why a forward override: HF's forward runs padding tokens and hands its conv / KDA hooks neither the
+        # documents of a position-ids-only packed batch nor (its torch fallbacks) any documents at all. This keeps
+        # HF's projections, output gate, sigmoid-gated norm and output projection; conv and core are ours.
+        _need_bf16(self, "kda", hidden_states=hidden_states)
+        batch, seqlen, _ = hidden_states.shape
+        weight = self.conv1d.weight.squeeze(1)
+        width = self.conv_kernel_size
+        if cache_params is not None and cache_params.has_previous_state(self.layer_idx):
+            return _kda_continue(self, hidden_states, cache_params, attention_mask, weight, width)
+        vl = kwargs.get(VARLEN_KW)
+        if vl is None or not vl.fits(batch, seqlen):
+            vl = build_varlen(batch, seqlen, hidden_states.device, attention_mask=attention_mask, kwargs=kwargs,
+                              where=_name(self))
+        if cache_params is not None and vl.n_docs != batch:
+            raise ValueError(f"{_name(self)}: a packed batch ({vl.n_docs} documents in {batch} rows) cannot fill a "
+                             "cache; pass use_cache=False")
+        h = vl.gather(hidden_states).unsqueeze(0)  # [1, T, hidden]: only the kept tokens
+        mixed = _kda_mixed(self, h)
+        y = _conv1d.causal_conv1d(mixed[0], weight, cu_seqlens=vl.cu_seqlens, activation=self.activation)
+        o, state = _kda_core(self, y, h, vl.cu_seqlens, None, cache_params is not None)
+        if cache_params is not None:  # prefill: what HF caches (each row's last W conv inputs, padding zeroed)
+            cache_params.update_conv_state(vl.scatter(mixed[0]).transpose(1, 2), self.layer_idx,
+                                           conv_kernel_size=width)
+            cache_params.update_recurrent_state(state, self.layer_idx)
+        return vl.scatter(_kda_output(self, o, h)[0])
+
+    forward.__name__ = f"cake_{family.prefix}{family.linear}_forward"
+    return forward
+
+
+def _kda_continue(self, hidden_states, cache_params, attention_mask, weight, width):
+    """A forward continuing a cached state (decode, chunked prefill): each row one document, its conv over the
+    cached last W inputs first, its core from the cached recurrent state (HF's semantics, our ops)."""
+    batch, seqlen, _ = hidden_states.shape
+    if attention_mask is not None:  # as HF: padding tokens of the new segment are zeroed
+        hidden_states = (hidden_states * attention_mask[:, -seqlen:, None]).to(hidden_states.dtype)
+    mixed = _kda_mixed(self, hidden_states)
+    full = cache_params.update_conv_state(mixed.transpose(1, 2), self.layer_idx, conv_kernel_size=width)
+    full_len = full.shape[-1]  # cached W + seqlen
+    x = full.transpose(1, 2).reshape(batch * full_len, -1)
+    rows_full = torch.arange(0, (batch + 1) * full_len, full_len, dtype=torch.int32, device=x.device)
+    y = _conv1d.causal_conv1d(x, weight, cu_seqlens=rows_full, activation=self.activation)
+    y = y.view(batch, full_len, -1)[:, -seqlen:].reshape(batch * seqlen, -1)
+    rows = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=x.device)
+    h = hidden_states.reshape(1, batch * seqlen, -1)
+    state0 = cache_params.layers[self.layer_idx].recurrent_states[0]
+    o, state = _kda_core(self, y, h, rows, state0, True)
+    cache_params.update_recurrent_state(state, self.layer_idx)
+    return _kda_output(self, o, h).reshape(batch, seqlen, -1)
+
+
 def gated_norm_forward(self, hidden_states, gate):
     """`*RMSNormGated`: rmsnorm_silu_gate(x, z, w) (fp32 math; HF rounds the normalised x to bf16 before * w)."""
     _need_bf16(self, "gated_rmsnorm", hidden_states=hidden_states, gate=gate)
@@ -397,6 +499,13 @@ def make_text_forward(family: Family, original):
             vl = build_varlen(batch, seqlen, ref.device, attention_mask=attention_mask, position_ids=position_ids,
                               kwargs=kwargs, past_len=past_len, where=where)
             if vl.n_docs != batch:
+                impl = self.config._attn_implementation
+                if "attention" not in family.served and impl not in VARLEN_ATTENTION and "full_attention" in set(
+                        getattr(self.config, "layer_types", None) or ()):
+                    raise ValueError(f"{where}: a packed batch ({vl.n_docs} documents in {batch} row(s)) reaches this "
+                                     f"model's full-attention layers, which cake does not serve and HF's {impl!r} "
+                                     "attention would run across documents; load the model with "
+                                     "attn_implementation='flash_attention_2' or pass a padded batch")
                 if past_key_values is not None or use_cache:
                     raise ValueError(f"{where}: a packed batch ({vl.n_docs} documents in {batch} row(s)) cannot fill "
                                      "or continue a cache; pass use_cache=False")
@@ -427,8 +536,10 @@ def _pieces(family: Family, parts: Parts):
     """(class, entry points, check, forward factory) of each requested piece."""
     c = family.classes()
     out = []
-    if parts.linear_attention:
-        out.append((c.gdn, "chunk_gated_delta_rule + causal_conv1d", check_gdn, lambda: make_gdn_forward(family)))
+    if parts.linear_attention and family.projection == "kda":
+        out.append((c.linear, "chunk_kda + causal_conv1d", check_kda, lambda: make_kda_forward(family)))
+    elif parts.linear_attention:
+        out.append((c.linear, "chunk_gated_delta_rule + causal_conv1d", check_gdn, lambda: make_gdn_forward(family)))
     if parts.norms:
         out.append((c.gated_norm, "rmsnorm_silu_gate", check_gated_norm, lambda: gated_norm_forward))
         out.append((c.norm, "zero_centered_rmsnorm", check_norm, lambda: norm_forward))
@@ -458,6 +569,10 @@ def apply(family_key: str, model=None, *, attention=True, linear_attention=True,
         raise ImportError(f"{family.apply_name}: this transformers has no {family.prefix} models ({e}); "
                           "pip install 'miles_ext_kernels[hf]'") from None
     want = Parts(bool(attention), bool(linear_attention), bool(norms))
+    for part in ("attention", "linear_attention", "norms"):
+        if getattr(want, part) and part not in family.served:
+            raise ValueError(f"{family.apply_name}: {part}={getattr(want, part)!r}: no cake op serves "
+                             f"{family.prefix}'s {part.replace('_', ' ')} (served: {', '.join(family.served)})")
     if want.attention:
         register_attention()
     return _apply_classes(family, c, want) if model is None else _apply_instance(family, c, model, want)

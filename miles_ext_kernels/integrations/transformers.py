@@ -1,4 +1,5 @@
-"""Hugging Face transformers: one call swaps the cake ops into Qwen3-Next (and Qwen3.5 / Qwen3.5-MoE) models.
+"""Hugging Face transformers: one call swaps the cake ops into Qwen3-Next (and Qwen3.5 / Qwen3.5-MoE) models, and
+into Kimi-Linear's KDA layers (`apply_to_kimi_linear`).
 
     from miles_ext_kernels.integrations.transformers import apply_to_qwen3_next
     model = Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
@@ -33,7 +34,7 @@ from __future__ import annotations
 ATTN_IMPLEMENTATION = "cake"
 
 __all__ = ["ATTN_IMPLEMENTATION", "apply_to_qwen3_next", "apply_to_qwen3_5", "apply_to_qwen3_5_moe",
-           "register_attention"]
+           "apply_to_kimi_linear", "register_attention"]
 
 
 def apply_to_qwen3_next(model=None, *, attention: bool = True, linear_attention: bool = True,
@@ -67,6 +68,23 @@ def apply_to_qwen3_5_moe(model=None, *, attention: bool = True, linear_attention
     from . import _hf
 
     return _hf.apply("qwen3_5_moe", model, attention=attention, linear_attention=linear_attention, norms=norms)
+
+
+def apply_to_kimi_linear(model=None, *, linear_attention: bool = True) -> dict[str, list[str]]:
+    """Swap the cake ops into HF's Kimi-Linear (`KimiLinearForCausalLM`): every KDA layer's short conv and core run
+    `causal_conv1d` and `chunk_kda` (the forget gate in the kernel: `use_gate_in_kernel` with the layer's A_log and
+    dt_bias, whose gradients come back from it) over the documents of the batch; HF's projections, output gate,
+    sigmoid-gated norm and output projection stay. One model instance, or (model=None) the classes.
+
+    Not served, so left to HF: the full-attention layers (MLA, q / k head dim 192, v 128), the plain and the
+    sigmoid-gated RMSNorm, the MoE. A packed batch therefore needs an HF attention implementation that keeps
+    documents apart in those layers (`attn_implementation="flash_attention_2"`); with sdpa / eager one raises a
+    `ValueError` at the forward instead of running attention across documents (padded batches are fine).
+    Returns `{entry point: [patched classes or module names]}` ({} when nothing was left to patch).
+    """
+    from . import _hf
+
+    return _hf.apply("kimi_linear", model, attention=False, linear_attention=linear_attention, norms=False)
 
 
 def register_attention() -> str:

@@ -128,9 +128,12 @@ RATIO = 1.5
 # There (hold_decay=False) they are checked finite, and dL/dg of every GDN layer within DG_WIRING of FP64, which a
 # wiring bug (sign, scale, head mapping, l2 norm) of O(1) cannot pass.
 DG_WIRING = 0.25
-DECAY_DRIVEN = ("layers.linear_attn.A_log", "layers.linear_attn.dt_bias", "layers.linear_attn.in_proj_a.weight")
+DECAY_DRIVEN = ("layers.linear_attn.A_log", "layers.linear_attn.dt_bias", "layers.linear_attn.in_proj_a.weight",
+                # Kimi-Linear's forget gate: A_log, dt_bias and its two projections feed only the KDA decay
+                "layers.self_attn.forget_gate.A_log", "layers.self_attn.forget_gate.dt_bias",
+                "layers.self_attn.forget_gate.f_a_proj.weight", "layers.self_attn.forget_gate.f_b_proj.weight")
 ENTRY_POINTS = {"gqa": "varlen_gqa_attention", "gdn": "chunk_gated_delta_rule", "conv1d": "causal_conv1d",
-                "gated_rmsnorm": "rmsnorm_silu_gate", "rmsnorm": "zero_centered_rmsnorm"}
+                "gated_rmsnorm": "rmsnorm_silu_gate", "rmsnorm": "zero_centered_rmsnorm", "kda": "chunk_kda"}
 
 
 def counting(mp, counts):
@@ -163,8 +166,10 @@ def capture_dg(mp, mod, name, sink, orig=None):
 
 
 def build_case(cfg, lens, device, seed=0, *, cls=None, apply=None, hf_module=None,
-               runs=("padded", "packed", "pos_only")):
-    """Every run the tests compare (see the module docstring); Qwen3-Next unless cls / apply / hf_module say."""
+               runs=("padded", "packed", "pos_only"), core="torch_chunk_gated_delta_rule", dg=True):
+    """Every run the tests compare (see the module docstring); Qwen3-Next unless cls / apply / hf_module say. core:
+    HF's linear-attention core function (its torch fallback runs the HF runs); dg: capture each GDN layer's dL/dg
+    (HF's core and ours take the same log decay g; Kimi-Linear's take different ones)."""
     import importlib
     import inspect
     from collections import Counter
@@ -183,16 +188,19 @@ def build_case(cfg, lens, device, seed=0, *, cls=None, apply=None, hf_module=Non
         for name, dtype in (("ref", torch.float64), ("hf", BF)):
             # HF's own torch code even where fla / causal-conv1d were importable (they serve neither FP64 nor the
             # padded reference's semantics): the hooks' innermost functions
-            torch_gdn = inspect.unwrap(hf_mod.torch_chunk_gated_delta_rule)
+            torch_core = inspect.unwrap(getattr(hf_mod, core))
             mp.setattr(hf_mod, "causal_conv1d_fn", inspect.unwrap(hf_mod.causal_conv1d_fn))
-            capture_dg(mp, hf_mod, "torch_chunk_gated_delta_rule", out["dg"].setdefault(name, []), torch_gdn)
+            if dg:
+                capture_dg(mp, hf_mod, core, out["dg"].setdefault(name, []), torch_core)
+            else:
+                mp.setattr(hf_mod, core, torch_core)
             out[name] = run(fresh(base).to(dtype), padded)
             mp.undo()
         m = out["mask"]
         out["dg"] = {k: [d[m] for d in v] for k, v in out["dg"].items()}  # padded [B, S, HV] -> [T, HV]
         with torch.no_grad():
             mp.setattr(hf_mod, "causal_conv1d_fn", inspect.unwrap(hf_mod.causal_conv1d_fn))
-            mp.setattr(hf_mod, "torch_chunk_gated_delta_rule", inspect.unwrap(hf_mod.torch_chunk_gated_delta_rule))
+            mp.setattr(hf_mod, core, inspect.unwrap(getattr(hf_mod, core)))
             out["hf_packed_logits"] = fresh(base)(**pos_only).logits.double()
             mp.undo()
         ours = fresh(base)
@@ -201,9 +209,12 @@ def build_case(cfg, lens, device, seed=0, *, cls=None, apply=None, hf_module=Non
         for name, batch in ((r, batches_[r]) for r in runs):
             c = out["counts"][name] = Counter()
             counting(mp, c)
-            capture_dg(mp, gdn, "chunk_gated_delta_rule", sink := [])
+            sink = []
+            if dg:
+                capture_dg(mp, gdn, "chunk_gated_delta_rule", sink)
             out[name] = run(ours, batch)
-            out["dg"][name] = [d[0] for d in sink]
+            if dg:
+                out["dg"][name] = [d[0] for d in sink]
             mp.undo()
     return out
 
@@ -242,6 +253,8 @@ def compare(case, which, hold_decay=False):
         ours_g = torch.cat([grads[x].flatten() for x in names])
         ref_g = torch.cat([ref_grads[x].flatten() for x in names])
         _check(grp, ours_err[grp], RATIO * hf_err[grp], ours_g, ref_g, reject=1.05)
+    if not case["dg"]:  # not captured (build_case(dg=False))
+        return ratios
     dg_ref, dg_hf, dg_ours = case["dg"]["ref"], case["dg"]["hf"], case["dg"][which]
     assert len(dg_ref) == len(dg_hf) == len(dg_ours) > 0
     for i, (r, h, o) in enumerate(zip(dg_ref, dg_hf, dg_ours)):
