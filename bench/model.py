@@ -24,7 +24,7 @@ behind a GPU spin); tokens/s from the synced time; peak memory (max_memory_alloc
 included). det: ours repeats the loss and every gradient bit for bit. Bar: ours >= 1.3x the fla + FA2 stack's
 tokens/s (or, without flash_attn, the fla + sdpa stack's). Prints a table; writes bench/results/model.json.
 
-    python bench/model.py [--docs regular|irregular] [--vocab 32768] [--layers 4] [--quick]
+    python bench/model.py [--docs regular|irregular] [--vocab 32768] [--layers 4] [--quick] [--bar-only]
 """
 from __future__ import annotations
 
@@ -219,6 +219,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-hf-torch", action="store_true", help="skip HF's torch fallbacks (the slowest stack)")
+    ap.add_argument("--bar-only", action="store_true",
+                    help="only ours (packed) and the bar's peer: the stacks the bar compares, in one short run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/model.py needs a CUDA GPU")
@@ -255,9 +257,16 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
 
-    if not args.no_hf_torch:
-        row, m = run("HF torch fallbacks + sdpa (padded)", lambda: fresh("sdpa"), padded, Hooks.torch_only())
-        rows += [row] if row else []
+    def ours_model():
+        m = fresh()
+        apply_to_qwen3_next(m)
+        return m
+
+    # ours first, then the bar's peer, then the rest (slowest last): a run cut by a time limit keeps the bar
+    ours, m = run("HF + cake (packed)", ours_model, packed)
+    if ours:
+        ours["det"] = det_bits(m, packed)
+        rows.append(ours)
         done(m)
     hooks, label = fla_hooks()
     peer, peer_name = None, "fla + FA2"
@@ -272,30 +281,25 @@ def main():
                           hooks)
             rows += [peer] if peer else []
             done(m)
-        row, m = run(f"HF + {label} + sdpa (padded)", lambda: fresh("sdpa"), padded, hooks)
-        if row and peer is None:
-            notes["HF + fla + FA2"] = "skipped: no FA2 varlen; the bar is measured against HF + fla + sdpa"
-            peer, peer_name = row, "fla + sdpa"
-        rows += [row] if row else []
-        done(m)
+        if peer is None or not args.bar_only:
+            row, m = run(f"HF + {label} + sdpa (padded)", lambda: fresh("sdpa"), padded, hooks)
+            if row and peer is None:
+                notes["HF + fla + FA2"] = "skipped: no FA2 varlen; the bar is measured against HF + fla + sdpa"
+                peer, peer_name = row, "fla + sdpa"
+            rows += [row] if row else []
+            done(m)
     else:
         peer, m = run(f"HF + {label} + FA2 (packed)", lambda: fresh("flash_attention_2"), packed, hooks)
         rows += [peer] if peer else []
         done(m)
-
-    def ours_model():
-        m = fresh()
-        apply_to_qwen3_next(m)
-        return m
-
-    ours, m = run("HF + cake (packed)", ours_model, packed)
-    if ours:
-        ours["det"] = det_bits(m, packed)
-        rows.append(ours)
-        done(m)
-    row, m = run("HF + cake (padded)", ours_model, padded)
-    if row:
-        rows.append(row)
+    if not args.bar_only:
+        row, m = run("HF + cake (padded)", ours_model, padded)
+        if row:
+            rows.append(row)
+            done(m)
+    if not (args.no_hf_torch or args.bar_only):
+        row, m = run("HF torch fallbacks + sdpa (padded)", lambda: fresh("sdpa"), padded, Hooks.torch_only())
+        rows += [row] if row else []
         done(m)
     for r in rows:
         r["vs peer"] = r["tokens/s"] / peer["tokens/s"] if peer else None
