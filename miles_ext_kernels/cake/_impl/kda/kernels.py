@@ -459,8 +459,8 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, dg
     dg without cancellation (as gdn's bwd_dqkw_kernel): each row's own (i = j) o term would appear in q * dq and in
     k * dk, and the state term of dk (k_i * dks_i, of size exp(G_last - G_i)) at row i and summed on the last row;
     their rounding residue would be all of a strongly decayed dg. So dq / dk take the diagonal as an elementwise term
-    outside dG, and the state term goes to dg directly as its exclusive prefix sum over rows (a product with the
-    strictly lower 0 / 1 matrix at fp32: each sum one fixed order of exact terms)."""
+    outside dG, and the state term goes to dg directly as its exclusive prefix sum over rows: dgx gets the term per
+    row, the WY backward sums the rows before each (a scan of the row-shifted terms: no difference of large sums)."""
     pid = tl.program_id(0)
     hv = tl.program_id(1)
     p = pid // (K // BK)
@@ -516,8 +516,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, dg
         b_dg -= c_k * b_k
         b_dk = c_k + md[:, None] * b_q + b_dks
         tl.store(dk + out_k, _rnd(b_dk, dk.dtype.element_ty, INTERPRET), mask=m[:, None])
-        strict = tl.where(o_t[:, None] > o_t[None, :], 1., 0.)
-        tl.store(dgx + out_k, _dot32(strict, b_dks * b_k), mask=m[:, None])
+        tl.store(dgx + out_k, b_dks * b_k, mask=m[:, None])
         # the chunk-end decay exp(G_last) of the state: its dG lands on the last row
         hd = tl.sum(tl.load(h + st_t).to(tl.float32) * b_dhet.to(tl.float32), 0)
         b_dg += tl.where((o_t == (last - t0))[:, None], (tl.exp(g_last) * hd)[None, :], 0.)
@@ -532,7 +531,8 @@ def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, d
                   INTERPRET: tl.constexpr):
     """Backward through w = A X, u = A Y and A = (I + L)^-1; finishes dk, dv, dbeta and dg (reverse cumsum of dG,
     then through the in-kernel gate). dko = dk + this kernel's dk (dko may be dk); dgp holds the dq / dk / dw
-    kernel's dG, dgx its terms of dg (added after the reverse scan). With the gate (GATE): part [P, HV * K + HV]
+    kernel's dG, dgx the state term of dg per row (its exclusive prefix sum is added after the reverse scan). With
+    the gate (GATE): part [P, HV * K + HV]
     gets this chunk's sums over its rows of ddt_bias (column hv * K + d) and of dA_log's terms (column HV * K + hv);
     unused slots write zeros, so a fixed-order column sum over the P slots gives the parameters' gradients."""
     p = tl.program_id(0)
@@ -598,7 +598,8 @@ def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, d
     # d of each token's log decay: a reverse scan (total - cumsum + x would leave every token an error of eps times
     # the chunk's total, one error shared by all of them, which the sums over tokens of ddt_bias / dA_log add up)
     b_dg = tl.cumsum(b_dg, axis=0, reverse=True)
-    b_dg += tl.load(dgx + w_off, mask=m[:, None], other=0.)
+    # + the state term's exclusive prefix sum: row t adds dgx's rows < t (the scan of the rows shifted by one)
+    b_dg += tl.cumsum(tl.load(dgx + w_off - HV * K, mask=(m & (o_t > 0))[:, None], other=0.), axis=0)
     if GATE != 0:
         a_log, bias = _gate_params(A_log, dt_bias, hv, o_k, K, GATE)
         x = tl.load(g + w_off, mask=m[:, None], other=0.).to(tl.float32) + bias[None, :]
