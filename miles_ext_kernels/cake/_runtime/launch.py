@@ -8,15 +8,23 @@ A route is keyed by what Triton specializes on: tensor dtype and 16-byte alignme
 (== 1, % 16 == 0, 32 / 64 bit; only the width for `do_not_specialize` arguments), constexprs and launch options by
 value. Meta tensors stand for real ones (their start counts as aligned, as real operands are after the operand
 checks). Torch is imported by the functions that need it.
+
+On a GPU, a launch whose specialization this process has launched before calls the compiled kernel's launcher
+directly (`_DirectLaunch`): Triton's own launch path binds the arguments by name, computes its specialization key
+and builds launch metadata on every call, ~20-25 us of host time for a kernel of ~25 arguments on the H200's host,
+more than most of our kernels run at small shapes. Set MILES_EXT_KERNELS_TRITON_LAUNCH=1 to launch through Triton's
+path every time; it is also taken under Triton's interpreter, while a launch hook (a profiler) is installed, and for
+any argument the key below does not describe.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import os
 import threading
 
-from .build import Route, check_device
+from .build import INTERPRET, Route, check_device
 
 _collecting = threading.local()  # .routes: the RouteSet a `collect_routes()` block fills, on this thread
 
@@ -26,10 +34,123 @@ _LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "num_ctas")
 def launch(kernel, grid: tuple, **kwargs) -> None:
     """kernel[grid](**kwargs), or (inside `collect_routes()`) record its route instead."""
     rs = getattr(_collecting, "routes", None)
-    if rs is None:
-        kernel[grid](**kwargs)
-    else:
+    if rs is not None:
         rs.add_launch(kernel, kwargs)
+    else:
+        direct = _make_direct() if _direct is None else _direct
+        if not direct or not direct.launch(kernel, grid, kwargs):
+            kernel[grid](**kwargs)
+
+
+def _int_class(v: int) -> tuple:
+    """What Triton's specialization can see of an int argument: its type by range, == 1, divisibility by 16."""
+    return (-2 ** 31 <= v < 2 ** 31, -2 ** 63 <= v < 2 ** 63, v == 1, v % 16 == 0)
+
+
+class _DirectLaunch:
+    """Compiled kernels by (kernel, device, key), launched without Triton's per-call binding.
+
+    The key holds, per argument in the kernel's parameter order: constexprs by value; tensors by dtype and 16-byte
+    alignment of their start; ints by `_int_class`; bools and None by value; floats as one class; Gluon / TMA
+    tensor descriptors by type, base dtype, block shape, layout, padding and the int class of every shape and stride
+    entry; launch options by value. That is at least everything Triton 3.6 specializes a compiled kernel on, so
+    two launches with one key run one binary. A first launch of a key goes through Triton (compiling if needed),
+    which returns the compiled kernel that later launches of the key call directly. Any other argument type falls
+    back to Triton's path."""
+
+    def __init__(self, device=None, stream=None):
+        import torch
+        from triton import knobs
+
+        self._device = device or torch._C._cuda_getDevice  # () -> the current device's index
+        self._stream = stream or torch._C._cuda_getCurrentRawStream  # (index) -> its current stream's handle
+        self._tensor = torch.Tensor
+        self._runtime = knobs.runtime
+        self._compiled: dict = {}
+        self._params: dict = {}
+
+    def _hooked(self) -> bool:
+        rt = self._runtime
+        return bool(getattr(rt.launch_enter_hook, "calls", True) or getattr(rt.launch_exit_hook, "calls", True))
+
+    def _param_list(self, kernel):
+        got = self._params.get(id(kernel))
+        if got is None:
+            if not hasattr(kernel, "device_caches") or not hasattr(kernel, "params"):
+                got = False  # not a plain JIT function (an autotuner, a heuristics wrapper): Triton's path
+            else:
+                sig = inspect.signature(kernel.fn).parameters
+                got = tuple((p.name, p.is_constexpr, sig[p.name].default) for p in kernel.params)
+            self._params[id(kernel)] = got
+        return got
+
+    def launch(self, kernel, grid: tuple, kwargs: dict) -> bool:
+        """Launch directly and return True, or return False (the caller launches through Triton)."""
+        params = self._param_list(kernel)
+        if not params or getattr(kernel, "pre_run_hooks", None) or self._hooked():
+            return False
+        device = self._device()
+        key = [id(kernel), device]
+        for o in _LAUNCH_OPTIONS:
+            key.append(kwargs.get(o))
+        values = []
+        used = 0
+        for name, is_const, default in params:
+            if name in kwargs:
+                v = kwargs[name]
+                used += 1
+            elif default is not inspect.Parameter.empty:
+                v = default
+            else:
+                return False  # Triton raises the missing-argument error
+            values.append(v)
+            if is_const or v is None or isinstance(v, bool):
+                key.append(v)
+            elif isinstance(v, self._tensor):
+                key.append((v.dtype, v.data_ptr() % 16 == 0))
+            elif isinstance(v, int):
+                key.append(_int_class(v))
+            elif isinstance(v, float):
+                key.append(float)
+            elif hasattr(v, "base") and hasattr(v, "block_shape") and isinstance(v.base, self._tensor):
+                key.append((type(v), v.base.dtype, tuple(v.block_shape), v.layout, getattr(v, "padding", None),
+                            tuple(_int_class(int(x)) for x in v.shape), tuple(_int_class(int(x)) for x in v.strides)))
+            else:
+                return False
+        if used + sum(o in kwargs for o in _LAUNCH_OPTIONS) != len(kwargs):
+            return False  # an unknown keyword: Triton names it
+        try:
+            key = tuple(key)
+            entry = self._compiled.get(key)
+        except TypeError:  # an unhashable constexpr or layout
+            return False
+        g0 = grid[0]
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        if entry is None:
+            compiled = kernel[grid](**kwargs)  # launches, and returns the compiled kernel
+            if hasattr(compiled, "result"):
+                compiled = compiled.result()
+            run = compiled.run  # (its first access loads the binary)
+            self._compiled[key] = (run, compiled.function, compiled.packed_metadata)
+            return True
+        run, function, packed_metadata = entry
+        run(g0, g1, g2, self._stream(device), function, packed_metadata, None, None, None, *values)
+        return True
+
+
+_direct = None  # the process's _DirectLaunch, made at the first launch; False where Triton's path is always taken
+
+
+def _make_direct():
+    global _direct
+    _direct = False
+    if not INTERPRET and os.environ.get("MILES_EXT_KERNELS_TRITON_LAUNCH", "0") != "1":
+        try:
+            _direct = _DirectLaunch()
+        except Exception:  # noqa: BLE001 - a torch / triton without these entry points: Triton's own path
+            _direct = False
+    return _direct
 
 
 @functools.lru_cache(maxsize=None)
