@@ -74,59 +74,73 @@ class _DirectLaunch:
         return bool(getattr(rt.launch_enter_hook, "calls", True) or getattr(rt.launch_exit_hook, "calls", True))
 
     def _param_list(self, kernel):
+        """(names, constexpr flags, defaults) in the kernel's parameter order, or False: Triton's path always."""
         got = self._params.get(id(kernel))
         if got is None:
             if not hasattr(kernel, "device_caches") or not hasattr(kernel, "params"):
                 got = False  # not a plain JIT function (an autotuner, a heuristics wrapper): Triton's path
             else:
                 sig = inspect.signature(kernel.fn).parameters
-                got = tuple((p.name, p.is_constexpr, sig[p.name].default) for p in kernel.params)
+                got = (tuple(p.name for p in kernel.params), tuple(bool(p.is_constexpr) for p in kernel.params),
+                       tuple(sig[p.name].default for p in kernel.params))
             self._params[id(kernel)] = got
         return got
 
+    def _key_of(self, v):
+        """One non-constexpr argument's part of the key, or None where the key cannot describe it."""
+        if v is None or isinstance(v, bool):
+            return v
+        if isinstance(v, self._tensor):
+            return v.dtype, v.data_ptr() % 16 == 0
+        if isinstance(v, int):
+            return _int_class(v)
+        if isinstance(v, float):
+            return float
+        if hasattr(v, "base") and hasattr(v, "block_shape") and isinstance(v.base, self._tensor):
+            return (type(v), v.base.dtype, tuple(v.block_shape), v.layout, getattr(v, "padding", None),
+                    tuple(_int_class(int(x)) for x in v.shape), tuple(_int_class(int(x)) for x in v.strides))
+        return None
+
     def launch(self, kernel, grid: tuple, kwargs: dict) -> bool:
         """Launch directly and return True, or return False (the caller launches through Triton)."""
-        params = self._param_list(kernel)
+        params = self._params.get(id(kernel))
+        if params is None:
+            params = self._param_list(kernel)
         if not params or getattr(kernel, "pre_run_hooks", None) or self._hooked():
             return False
-        device = self._device()
-        key = [id(kernel), device]
-        for o in _LAUNCH_OPTIONS:
-            key.append(kwargs.get(o))
-        values = []
-        used = 0
-        for name, is_const, default in params:
-            if name in kwargs:
-                v = kwargs[name]
-                used += 1
-            elif default is not inspect.Parameter.empty:
-                v = default
-            else:
-                return False  # Triton raises the missing-argument error
-            values.append(v)
-            if is_const or v is None or isinstance(v, bool):
-                key.append(v)
-            elif isinstance(v, self._tensor):
-                key.append((v.dtype, v.data_ptr() % 16 == 0))
-            elif isinstance(v, int):
-                key.append(_int_class(v))
-            elif isinstance(v, float):
-                key.append(float)
-            elif hasattr(v, "base") and hasattr(v, "block_shape") and isinstance(v.base, self._tensor):
-                key.append((type(v), v.base.dtype, tuple(v.block_shape), v.layout, getattr(v, "padding", None),
-                            tuple(_int_class(int(x)) for x in v.shape), tuple(_int_class(int(x)) for x in v.strides)))
-            else:
+        names, const, defaults = params
+        options = tuple(kwargs.get(o) for o in _LAUNCH_OPTIONS)
+        n_args = len(kwargs) - sum(o is not None for o in options)
+        try:
+            values = [kwargs[n] for n in names]
+        except KeyError:  # defaults fill what the call leaves out; a missing argument is Triton's error to raise
+            empty = inspect.Parameter.empty
+            values = [kwargs.get(n, d) for n, d in zip(names, defaults)]
+            if any(v is empty for v in values):
                 return False
-        if used + sum(o in kwargs for o in _LAUNCH_OPTIONS) != len(kwargs):
-            return False  # an unknown keyword: Triton names it
+            n_args += sum(n not in kwargs for n in names)
+        if n_args != len(names):
+            return False  # an unknown keyword (or an option passed as None): Triton names it
+        device = self._device()
+        key = [id(kernel), device, options]
+        tensor, key_of = self._tensor, self._key_of
+        for v, c in zip(values, const):
+            if c:
+                key.append(v)
+            elif type(v) is tensor:  # the common cases first
+                key.append((v.dtype, v.data_ptr() % 16 == 0))
+            elif type(v) is int:
+                key.append((-2 ** 31 <= v < 2 ** 31, -2 ** 63 <= v < 2 ** 63, v == 1, v % 16 == 0))
+            else:
+                k = key_of(v)
+                if k is None and v is not None:
+                    return False
+                key.append(k)
         try:
             key = tuple(key)
             entry = self._compiled.get(key)
         except TypeError:  # an unhashable constexpr or layout
             return False
-        g0 = grid[0]
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
         if entry is None:
             compiled = kernel[grid](**kwargs)  # launches, and returns the compiled kernel
             if hasattr(compiled, "result"):
@@ -135,7 +149,9 @@ class _DirectLaunch:
             self._compiled[key] = (run, compiled.function, compiled.packed_metadata)
             return True
         run, function, packed_metadata = entry
-        run(g0, g1, g2, self._stream(device), function, packed_metadata, None, None, None, *values)
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._stream(device), function,
+            packed_metadata, None, None, None, *values)
         return True
 
 
