@@ -16,7 +16,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODES = ("fwd", "bwd", "full")
-PRIMARY = ("device", "queued", "synced")  # the timer a mode is plotted in: the first it has
+PRIMARY = ("host", "device", "queued", "synced")  # the timer a mode is plotted in: the first it has
 TITLES = {"fwd": "forward", "bwd": "backward", "full": "forward + backward"}
 
 
@@ -81,11 +81,12 @@ def _modes(rows):
 
 
 def _timers(rows, mode):
-    """The timers `mode` has, the primary (plotted, metric column) first, then synced if it is not that one."""
+    """The timers `mode` has, the primary (plotted, metric column) first, then device and synced where they are not
+    that one."""
     have = [t for t in PRIMARY if any(f"{t}_ms" in r for r in rows if r["mode"] == mode)]
     if not have:
         return []
-    return [have[0]] + (["synced"] if "synced" in have[1:] else [])
+    return [have[0]] + [t for t in ("device", "synced") if t in have[1:]]
 
 
 def _key(r):
