@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import re
 
+import pytest
 import torch
 
 BF = torch.bfloat16
@@ -112,6 +113,35 @@ def doc_rows(lens):
 
 def fresh(base):
     return copy.deepcopy(base)
+
+
+def decode_inputs(vocab, low=0, seed=3):
+    """A prefill of two rows (the first left-padded) and two decode steps: (ids [2, 6], mask [2, 6], steps [2, 2])."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, vocab, (2, 6), generator=g)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    return ids, mask, torch.randint(low, vocab, (2, 2), generator=g)
+
+
+def decode_logits(model, ids, mask, steps):
+    """The last position's logits of the prefill and of each decode step with the model's cache, [1 + steps, 2,
+    vocab] in FP64."""
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        logits, past, m = [out.logits[:, -1]], out.past_key_values, mask
+        for t in range(steps.shape[1]):
+            m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+            out = model(input_ids=steps[:, t:t + 1], attention_mask=m, past_key_values=past, use_cache=True)
+            logits.append(out.logits[:, -1])
+            past = out.past_key_values
+    return torch.stack(logits).double()
+
+
+def check_decode(got, hf, ref):
+    """Each step's logits within RATIO x HF bf16's error of the FP64 run."""
+    for t in range(got.shape[0]):
+        budget = RATIO * rel(hf[t], ref[t])
+        assert rel(got[t], ref[t]) <= budget, f"step {t}: {rel(got[t], ref[t]):.3e} > {budget:.3e}"
 
 
 # --- the comparison the tests run ---------------------------------------------------------------------------------
@@ -290,3 +320,20 @@ def check_det(case):
     (la, sa, ga), (lb, sb, gb) = case["packed"], case["pos_only"]
     assert torch.equal(la, lb) and torch.equal(sa, sb)
     assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+class CaseChecks:
+    """The checks every model's GPU case runs: a test module subclasses this as `Test<Model>` beside its module-scoped
+    `case` fixture (`build_case`)."""
+
+    @pytest.mark.parametrize("which", ["padded", "packed", "pos_only"])
+    def test_within_budget_of_fp64(self, case, which):
+        ratios = compare(case, which, hold_decay=True)
+        print(f"\n{which}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+
+    def test_documents_isolated(self, case):
+        check_documents(case)
+        assert leak_factor(case) > 5
+
+    def test_det_bits_on_a_repeat(self, case):
+        check_det(case)

@@ -193,29 +193,12 @@ def test_cached_decode_matches_hf():
 
     cfg = tiny_config(layers=("linear_attention", "full_attention"))
     base = hc.base_model(cfg)
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=g)
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    steps = torch.randint(0, cfg.vocab_size, (2, 2), generator=g)
-
-    def generate(model):
-        with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-            logits, past, m = [out.logits[:, -1]], out.past_key_values, mask
-            for t in range(steps.shape[1]):
-                m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
-                out = model(input_ids=steps[:, t:t + 1], attention_mask=m, past_key_values=past, use_cache=True)
-                logits.append(out.logits[:, -1])
-                past = out.past_key_values
-        return torch.stack(logits).double()
-
-    ref, hf = generate(hc.fresh(base).double()), generate(hc.fresh(base))
+    inputs = hc.decode_inputs(cfg.vocab_size)
+    ref, hf = hc.decode_logits(hc.fresh(base).double(), *inputs), hc.decode_logits(hc.fresh(base), *inputs)
     ours = hc.fresh(base)
     apply_to_qwen3_next(ours)
-    got = generate(ours)
-    for t in range(got.shape[0]):
-        budget = 1.5 * hc.rel(hf[t], ref[t])
-        assert hc.rel(got[t], ref[t]) <= budget, f"step {t}: {hc.rel(got[t], ref[t]):.3e} > {budget:.3e}"
+    got = hc.decode_logits(ours, *inputs)
+    hc.check_decode(got, hf, ref)
 
 
 def test_qwen3_5_moe_patches_its_layers():
