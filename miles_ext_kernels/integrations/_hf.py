@@ -326,52 +326,84 @@ def _gdn_core(self, y, b, a, cu_seqlens, initial_state, output_final_state):
                                        cu_seqlens=cu_seqlens)
 
 
-def make_gdn_forward(family: Family):
+def _prefill(self, hidden_states, cache_params, attention_mask, kwargs, weight, width, project, core, output):
+    """A linear-attention layer's forward without a cached state (training, prefill), on the packed kept tokens:
+    project(h [1, T, hidden]) -> (conv input [1, T, C], extra), our conv, core(y [T, C], h, extra, cu_seqlens,
+    output_final_state) -> (o, state), output(o, h, extra) -> [1, T, hidden]; with a cache, the prefill fills it
+    as HF does (each row's last W conv inputs, padding zeroed, and the final state)."""
+    batch, seqlen, _ = hidden_states.shape
+    vl = kwargs.get(VARLEN_KW)
+    if vl is None or not vl.fits(batch, seqlen):
+        vl = build_varlen(batch, seqlen, hidden_states.device, attention_mask=attention_mask, kwargs=kwargs,
+                          where=_name(self))
+    if cache_params is not None and vl.n_docs != batch:
+        raise ValueError(f"{_name(self)}: a packed batch ({vl.n_docs} documents in {batch} rows) cannot fill a "
+                         "cache; pass use_cache=False")
+    h = vl.gather(hidden_states).unsqueeze(0)  # [1, T, hidden]: only the kept tokens
+    mixed, extra = project(h)
+    y = _conv1d.causal_conv1d(mixed[0], weight, cu_seqlens=vl.cu_seqlens, activation=self.activation)
+    o, state = core(y, h, extra, vl.cu_seqlens, cache_params is not None)
+    if cache_params is not None:
+        cache_params.update_conv_state(vl.scatter(mixed[0]).transpose(1, 2), self.layer_idx, conv_kernel_size=width)
+        cache_params.update_recurrent_state(state, self.layer_idx)
+    return vl.scatter(output(o, h, extra)[0])
+
+
+def _linear_forward(op: str, cont, parts):
+    """HF's forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs) of a linear-attention
+    layer, on our conv and core: bf16 checked; `cont(self, hidden_states, cache_params, attention_mask, weight,
+    width)` continues a cached state (decode, chunked prefill); otherwise `_prefill` with `parts(self)` = (project,
+    core, output)."""
     from transformers.integrations.accelerate import force_accelerate_hooks
 
     @force_accelerate_hooks("conv1d")
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        # Why a forward override, not HF's chunk_gated_delta_rule / causal_conv1d_fn hooks: HF's forward repeats q
-        # and k over the value heads before the hook (GVA would cost HV / H x their memory and traffic), hands the
-        # conv a [B, D, T] transpose, only zeroes padding rows (their tokens still run), and never receives the
-        # documents of a packed batch given by position ids alone (the decoder does not pass position_ids here).
-        # This keeps HF's projections, decay math, gated norm (self.norm) and output projection.
-        _need_bf16(self, "gdn", hidden_states=hidden_states)
-        batch, seqlen, _ = hidden_states.shape
+        _need_bf16(self, op, hidden_states=hidden_states)
         weight = self.conv1d.weight.squeeze(1)
         width = self.conv_kernel_size
         if cache_params is not None and cache_params.has_previous_state(self.layer_idx):
-            return _gdn_continue(self, family, hidden_states, cache_params, attention_mask, weight, width)
-        vl = kwargs.get(VARLEN_KW)
-        if vl is None or not vl.fits(batch, seqlen):
-            vl = build_varlen(batch, seqlen, hidden_states.device, attention_mask=attention_mask, kwargs=kwargs,
-                              where=_name(self))
-        if cache_params is not None and vl.n_docs != batch:
-            raise ValueError(f"{_name(self)}: a packed batch ({vl.n_docs} documents in {batch} rows) cannot fill a "
-                             "cache; pass use_cache=False")
-        h = vl.gather(hidden_states).unsqueeze(0)  # [1, T, hidden]: only the kept tokens
-        mixed, z, b, a = _project(self, family, h)
-        y = _conv1d.causal_conv1d(mixed[0], weight, cu_seqlens=vl.cu_seqlens, activation=self.activation)
-        o, state = _gdn_core(self, y, b, a, vl.cu_seqlens, None, cache_params is not None)
-        if cache_params is not None:  # prefill: what HF caches (each row's last W conv inputs, padding zeroed)
-            cache_params.update_conv_state(vl.scatter(mixed[0]).transpose(1, 2), self.layer_idx,
-                                           conv_kernel_size=width)
-            cache_params.update_recurrent_state(state, self.layer_idx)
-        out = self.norm(o[0], z[0])  # [T, HV, V]
-        out = self.out_proj(out.reshape(1, out.shape[0], -1))
-        return vl.scatter(out[0])
+            return cont(self, hidden_states, cache_params, attention_mask, weight, width)
+        return _prefill(self, hidden_states, cache_params, attention_mask, kwargs, weight, width, *parts(self))
+    return forward
 
+
+def make_gdn_forward(family: Family):
+    """The GatedDeltaNet forward. Why an override, not HF's chunk_gated_delta_rule / causal_conv1d_fn hooks: HF's
+    forward repeats q and k over the value heads before the hook (GVA would cost HV / H x their memory and traffic),
+    hands the conv a [B, D, T] transpose, only zeroes padding rows (their tokens still run), and never receives the
+    documents of a packed batch given by position ids alone (the decoder does not pass position_ids here). This
+    keeps HF's projections, decay math, gated norm (self.norm) and output projection."""
+
+    def parts(self):
+        def project(h):
+            mixed, z, b, a = _project(self, family, h)
+            return mixed, (z, b, a)
+
+        def core(y, h, extra, cu_seqlens, output_final_state):
+            return _gdn_core(self, y, extra[1], extra[2], cu_seqlens, None, output_final_state)
+
+        def output(o, h, extra):
+            out = self.norm(o[0], extra[0][0])  # [T, HV, V]
+            return self.out_proj(out.reshape(1, out.shape[0], -1))
+        return project, core, output
+
+    forward = _linear_forward("gdn", lambda self, *args: _gdn_continue(self, family, *args), parts)
     forward.__name__ = f"cake_{family.prefix}GatedDeltaNet_forward"
     return forward
 
 
-def _gdn_continue(self, family, hidden_states, cache_params, attention_mask, weight, width):
-    """A forward continuing a cached state (decode, chunked prefill): each row is one document whose conv sees the
-    cached last W inputs first and whose core starts from the cached recurrent state (HF's semantics, our ops)."""
-    batch, seqlen, _ = hidden_states.shape
-    if attention_mask is not None:  # as HF: padding tokens of the new segment are zeroed
-        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-    mixed, z, b, a = _project(self, family, hidden_states)
+def _zero_padding(hidden_states, attention_mask):
+    """As HF before a cached segment: the padding tokens of the new segment zeroed (the mask's last seqlen columns)."""
+    if attention_mask is None:
+        return hidden_states
+    return (hidden_states * attention_mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)
+
+
+def _continue_conv(self, mixed, cache_params, weight, width):
+    """Our conv of a cached segment: each row of mixed [B, L, C] one document whose conv sees its cached last W
+    inputs first (the cache updated as HF does). Returns (y [B L, C] of the new positions, the rows' cu_seqlens
+    [B + 1] int32, the cached recurrent state)."""
+    batch, seqlen, _ = mixed.shape
     full = cache_params.update_conv_state(mixed.transpose(1, 2), self.layer_idx, conv_kernel_size=width)
     full_len = full.shape[-1]  # cached W + seqlen
     x = full.transpose(1, 2).reshape(batch * full_len, -1)
@@ -379,7 +411,16 @@ def _gdn_continue(self, family, hidden_states, cache_params, attention_mask, wei
     y = _conv1d.causal_conv1d(x, weight, cu_seqlens=rows_full, activation=self.activation)
     y = y.view(batch, full_len, -1)[:, -seqlen:].reshape(batch * seqlen, -1)
     rows = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=x.device)
-    state0 = cache_params.layers[self.layer_idx].recurrent_states[0]
+    return y, rows, cache_params.layers[self.layer_idx].recurrent_states[0]
+
+
+def _gdn_continue(self, family, hidden_states, cache_params, attention_mask, weight, width):
+    """A forward continuing a cached state (decode, chunked prefill): each row is one document whose conv sees the
+    cached last W inputs first and whose core starts from the cached recurrent state (HF's semantics, our ops)."""
+    batch, seqlen, _ = hidden_states.shape
+    hidden_states = _zero_padding(hidden_states, attention_mask)
+    mixed, z, b, a = _project(self, family, hidden_states)
+    y, rows, state0 = _continue_conv(self, mixed, cache_params, weight, width)
     o, state = _gdn_core(self, y, b.reshape(1, batch * seqlen, -1), a.reshape(1, batch * seqlen, -1), rows,
                          state0, True)
     cache_params.update_recurrent_state(state, self.layer_idx)
@@ -415,36 +456,16 @@ def _kda_mixed(self, h):
 
 
 def make_kda_forward(family: Family):
-    from transformers.integrations.accelerate import force_accelerate_hooks
+    """The KDA layer's forward. Why an override: HF's forward runs padding tokens and hands its conv / KDA hooks
+    neither the documents of a position-ids-only packed batch nor (its torch fallbacks) any documents at all. This
+    keeps HF's projections, output gate, sigmoid-gated norm and output projection; conv and core are ours."""
 
-    @force_accelerate_hooks("conv1d")
-    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        # Why a forward override: HF's forward runs padding tokens and hands its conv / KDA hooks neither the
-        # documents of a position-ids-only packed batch nor (its torch fallbacks) any documents at all. This keeps
-        # HF's projections, output gate, sigmoid-gated norm and output projection; conv and core are ours.
-        _need_bf16(self, "kda", hidden_states=hidden_states)
-        batch, seqlen, _ = hidden_states.shape
-        weight = self.conv1d.weight.squeeze(1)
-        width = self.conv_kernel_size
-        if cache_params is not None and cache_params.has_previous_state(self.layer_idx):
-            return _kda_continue(self, hidden_states, cache_params, attention_mask, weight, width)
-        vl = kwargs.get(VARLEN_KW)
-        if vl is None or not vl.fits(batch, seqlen):
-            vl = build_varlen(batch, seqlen, hidden_states.device, attention_mask=attention_mask, kwargs=kwargs,
-                              where=_name(self))
-        if cache_params is not None and vl.n_docs != batch:
-            raise ValueError(f"{_name(self)}: a packed batch ({vl.n_docs} documents in {batch} rows) cannot fill a "
-                             "cache; pass use_cache=False")
-        h = vl.gather(hidden_states).unsqueeze(0)  # [1, T, hidden]: only the kept tokens
-        mixed = _kda_mixed(self, h)
-        y = _conv1d.causal_conv1d(mixed[0], weight, cu_seqlens=vl.cu_seqlens, activation=self.activation)
-        o, state = _kda_core(self, y, h, vl.cu_seqlens, None, cache_params is not None)
-        if cache_params is not None:  # prefill: what HF caches (each row's last W conv inputs, padding zeroed)
-            cache_params.update_conv_state(vl.scatter(mixed[0]).transpose(1, 2), self.layer_idx,
-                                           conv_kernel_size=width)
-            cache_params.update_recurrent_state(state, self.layer_idx)
-        return vl.scatter(_kda_output(self, o, h)[0])
+    def parts(self):
+        return (lambda h: (_kda_mixed(self, h), None),
+                lambda y, h, extra, cu_seqlens, keep: _kda_core(self, y, h, cu_seqlens, None, keep),
+                lambda o, h, extra: _kda_output(self, o, h))
 
+    forward = _linear_forward("kda", _kda_continue, parts)
     forward.__name__ = f"cake_{family.prefix}{family.linear}_forward"
     return forward
 
@@ -453,18 +474,9 @@ def _kda_continue(self, hidden_states, cache_params, attention_mask, weight, wid
     """A forward continuing a cached state (decode, chunked prefill): each row one document, its conv over the
     cached last W inputs first, its core from the cached recurrent state (HF's semantics, our ops)."""
     batch, seqlen, _ = hidden_states.shape
-    if attention_mask is not None:  # as HF: padding tokens of the new segment are zeroed
-        hidden_states = (hidden_states * attention_mask[:, -seqlen:, None]).to(hidden_states.dtype)
-    mixed = _kda_mixed(self, hidden_states)
-    full = cache_params.update_conv_state(mixed.transpose(1, 2), self.layer_idx, conv_kernel_size=width)
-    full_len = full.shape[-1]  # cached W + seqlen
-    x = full.transpose(1, 2).reshape(batch * full_len, -1)
-    rows_full = torch.arange(0, (batch + 1) * full_len, full_len, dtype=torch.int32, device=x.device)
-    y = _conv1d.causal_conv1d(x, weight, cu_seqlens=rows_full, activation=self.activation)
-    y = y.view(batch, full_len, -1)[:, -seqlen:].reshape(batch * seqlen, -1)
-    rows = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=x.device)
+    hidden_states = _zero_padding(hidden_states, attention_mask)
+    y, rows, state0 = _continue_conv(self, _kda_mixed(self, hidden_states), cache_params, weight, width)
     h = hidden_states.reshape(1, batch * seqlen, -1)
-    state0 = cache_params.layers[self.layer_idx].recurrent_states[0]
     o, state = _kda_core(self, y, h, rows, state0, True)
     cache_params.update_recurrent_state(state, self.layer_idx)
     return _kda_output(self, o, h).reshape(batch, seqlen, -1)

@@ -7,7 +7,7 @@ documents of up to 2048 tokens need over 100 GB of it. The comparison of the CPU
 (`test_hf_kimi_linear_cpu.py`): the unpatched model in FP64 on the padded batch is the reference, the unpatched
 model in bf16 (HF's torch fallbacks) the unit; ours on the padded batch and both packed ones within 1.5x HF bf16's
 error for the logits, the loss and every parameter group, the forget gate's decay-driven ones too (as the Qwen3-Next
-GPU test holds A_log / dt_bias); documents isolated; det bits on a repeat. Not yet run on a GPU.
+GPU test holds A_log / dt_bias); documents isolated; det bits on a repeat. On the H200: 6 passed (ratios 0.81 - 1.07).
 """
 from __future__ import annotations
 
