@@ -81,8 +81,9 @@ def test_every_benchmark_is_dry_run_here():
     # tools, and the HF model step (its own script, not a declaration: it times whole models)
     # host.py re-times the declarations below on tiny shapes (its own test: test_host_declares_every_op_tiny)
     # step.py times a layer stack per stack and run, not a declaration (its own test: test_step_dry_run)
+    # host_profile.py profiles host.py's declarations (its own test: test_host_profile_without_launches)
     files = {p.stem for p in BENCH.glob("*.py")} - {"_common", "plot", "ab", "sass", "model", "kda_sass", "kda_profile",
-                                                    "host", "cp_nccl", "step"}
+                                                    "host", "host_profile", "cp_nccl", "step"}
     assert files == set(ON_CPU), "a bench/<op>.py is missing from ON_CPU (or ON_CPU names a file that is gone)"
 
 
@@ -107,6 +108,19 @@ def test_declaration_dry_run(name, tmp_path):
         ours = [r for r in doc["accuracy"] if r["provider"].startswith("cake")]
         assert ours and all(v < 2e-2 for r in ours for k, v in r.items() if k.startswith("err_"))
     _check_plot_reads(path, tmp_path)
+
+
+@pytest.mark.interpreter
+def test_host_profile_without_launches(capsys):
+    """bench/host_profile.py --no-launch on CPU: two ops' Python path timed and profiled, every launch dropped (and
+    `launch` back to launching afterwards)."""
+    from miles_ext_kernels.cake._runtime import launch
+
+    mod = _load("host_profile")
+    assert mod.main(["--no-launch", "--ops", "rmsnorm,gdn", "--calls", "2", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "== rmsnorm / " in out and "== gdn / " in out and out.count("-- by cumtime (our functions)") == 2
+    assert launch._collecting.routes is None
 
 
 @pytest.mark.interpreter
