@@ -42,6 +42,9 @@ def launch(kernel, grid: tuple, **kwargs) -> None:
             kernel[grid](**kwargs)
 
 
+_MISSING = object()
+
+
 def _int_class(v: int) -> tuple:
     """What Triton's specialization can see of an int argument: its type by range, == 1, divisibility by 16."""
     return (-2 ** 31 <= v < 2 ** 31, -2 ** 63 <= v < 2 ** 63, v == 1, v % 16 == 0)
@@ -54,9 +57,10 @@ class _DirectLaunch:
     alignment of their start; ints by `_int_class`; bools and None by value; floats as one class; Gluon / TMA
     tensor descriptors by type, base dtype, block shape, layout, padding and the int class of every shape and stride
     entry; launch options by value. That is at least everything Triton 3.6 specializes a compiled kernel on, so
-    two launches with one key run one binary. A first launch of a key goes through Triton (compiling if needed),
-    which returns the compiled kernel that later launches of the key call directly. Any other argument type falls
-    back to Triton's path."""
+    two launches with one key run one binary; as Triton's, a launch checks that the globals the kernel read when it
+    compiled still hold their values (else Triton's path, which raises). A first launch of a key goes through Triton
+    (compiling if needed), which returns the compiled kernel that later launches of the key call directly. Any other
+    argument type falls back to Triton's path."""
 
     def __init__(self, device=None, stream=None):
         import torch
@@ -148,6 +152,9 @@ class _DirectLaunch:
             run = compiled.run  # (its first access loads the binary)
             self._compiled[key] = (run, compiled.function, compiled.packed_metadata)
             return True
+        for (name, _), (value, scope) in getattr(kernel, "used_global_vals", {}).items():
+            if scope.get(name, _MISSING) != value:
+                return False  # a global the kernel reads changed since it compiled: Triton's path raises
         run, function, packed_metadata = entry
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._stream(device), function,

@@ -125,6 +125,16 @@ def test_a_wrapper_without_a_jit_surface_takes_tritons_path(kernel):
     assert _paths(w) == ["triton", "triton"]
 
 
+def test_a_changed_global_takes_tritons_path(kernel):
+    scope = {"FLAG": 1}
+    kernel.used_global_vals = {("FLAG", 0): (1, scope)}
+    L.launch(kernel, (1,), **_args())
+    L.launch(kernel, (1,), **_args())
+    scope["FLAG"] = 2  # Triton's own launch raises on this; the direct path hands it over
+    L.launch(kernel, (1,), **_args())
+    assert _paths(kernel) == ["triton", "direct", "triton"]
+
+
 def test_missing_argument_is_left_to_triton(kernel):
     a = _args()
     del a["m"]
