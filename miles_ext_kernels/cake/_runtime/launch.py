@@ -53,14 +53,14 @@ def _int_class(v: int) -> tuple:
 class _DirectLaunch:
     """Compiled kernels by (kernel, device, key), launched without Triton's per-call binding.
 
-    The key holds, per argument in the kernel's parameter order: constexprs by value; tensors by dtype and 16-byte
-    alignment of their start; ints by `_int_class`; bools and None by value; floats as one class; Gluon / TMA
-    tensor descriptors by type, base dtype, block shape, layout, padding and the int class of every shape and stride
-    entry; launch options by value. That is at least everything Triton 3.6 specializes a compiled kernel on, so
-    two launches with one key run one binary; as Triton's, a launch checks that the globals the kernel read when it
-    compiled still hold their values (else Triton's path, which raises). A first launch of a key goes through Triton
-    (compiling if needed), which returns the compiled kernel that later launches of the key call directly. Any other
-    argument type falls back to Triton's path."""
+    The key holds, per argument in the kernel's parameter order: constexprs by value (and type, but for ints);
+    tensors by dtype and 16-byte alignment of their start; ints by `_int_class`; bools and None by value; floats as
+    one class; Gluon / TMA tensor descriptors by type, base dtype, block shape, layout, padding and the int class of
+    every shape and stride entry; launch options by value. That is at least everything Triton 3.6 specializes a
+    compiled kernel on, so two launches with one key run one binary; as Triton's, a launch checks that the globals
+    the kernel read when it compiled still hold their values (else Triton's path, which raises). A first launch of a
+    key goes through Triton (compiling if needed), which returns the compiled kernel that later launches of the key
+    call directly. Any other argument type falls back to Triton's path."""
 
     def __init__(self, device=None, stream=None):
         import torch
@@ -130,7 +130,7 @@ class _DirectLaunch:
         tensor, key_of = self._tensor, self._key_of
         for v, c in zip(values, const):
             if c:
-                key.append(v)
+                key.append(v if type(v) is int else (type(v), v))  # 1, 1.0, True: equal keys, not one constexpr
             elif type(v) is tensor:  # the common cases first
                 key.append((v.dtype, v.data_ptr() % 16 == 0))
             elif type(v) is int:
@@ -149,8 +149,9 @@ class _DirectLaunch:
             compiled = kernel[grid](**kwargs)  # launches, and returns the compiled kernel
             if hasattr(compiled, "result"):
                 compiled = compiled.result()
-            run = compiled.run  # (its first access loads the binary)
-            self._compiled[key] = (run, compiled.function, compiled.packed_metadata)
+            if compiled is not None and hasattr(compiled, "packed_metadata"):
+                run = compiled.run  # (its first access loads the binary)
+                self._compiled[key] = (run, compiled.function, compiled.packed_metadata)
             return True
         for (name, _), (value, scope) in getattr(kernel, "used_global_vals", {}).items():
             if scope.get(name, _MISSING) != value:

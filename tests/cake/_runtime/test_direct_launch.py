@@ -79,6 +79,7 @@ def test_second_launch_of_a_key_is_direct_with_parameters_in_order(kernel):
     dict(x=torch.empty(64, dtype=torch.bfloat16)),  # another dtype
     dict(n=1), dict(n=48 + 1), dict(m=32), dict(m=2 ** 31), dict(m=2 ** 63),  # another int class
     dict(flag=False), dict(opt=3), dict(BLOCK=128), dict(MODE=1), dict(num_warps=8), dict(num_stages=3),
+    dict(BLOCK=64.0),  # equal to 64, another constexpr
 ], ids=lambda c: next(iter(c)))
 def test_what_triton_specializes_on_makes_a_new_key(kernel, change):
     L.launch(kernel, (1,), **_args())
