@@ -1,7 +1,8 @@
 """Where the host time of our ops goes: cProfile of each op's det forward + backward on bench/host.py's tiny shapes.
 
 For every op of bench/host.py (its declaration, its tiny shape, the provider "cake det"): host time per call of
-fwd and full (`_common.host_ms`), then `--calls` full calls under cProfile, the top functions by own time printed.
+fwd and full (`_common.host_ms`), then `--calls` full calls under cProfile: the kernel launches per call and the
+top functions by own time.
 `--floor` also times bare Triton launches (one kernel with 1 and with 24 arguments, keyword and positional) and an
 empty autograd.Function forward + backward: the floors the host path stands on.
 
@@ -128,6 +129,10 @@ def main(argv=None) -> int:
                 prof.disable()
         finally:
             launch._collecting.routes = None
+        stats = pstats.Stats(prof)
+        n_launch = sum(v[1] for (file, _, fn), v in stats.stats.items()
+                       if fn == "launch" and file.replace("\\", "/").endswith("cake/_runtime/launch.py"))
+        print(f"-- launches per fwd + bwd call: {n_launch / args.calls:g} (our `launch()`)")
         for order, restrict in (("tottime", ()), ("cumtime", ("miles_ext_kernels",))):
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats(order).print_stats(*restrict, args.top)

@@ -120,6 +120,7 @@ def test_host_profile_without_launches(capsys):
     assert mod.main(["--no-launch", "--ops", "rmsnorm,gdn", "--calls", "2", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "== rmsnorm / " in out and "== gdn / " in out and out.count("-- by cumtime (our functions)") == 2
+    assert "-- launches per fwd + bwd call: 2 " in out  # rmsnorm: its forward and its backward kernel
     assert launch._collecting.routes is None
 
 
