@@ -78,16 +78,15 @@ class _DirectLaunch:
         return bool(getattr(rt.launch_enter_hook, "calls", True) or getattr(rt.launch_exit_hook, "calls", True))
 
     def _param_list(self, kernel):
-        """(names, constexpr flags, defaults) in the kernel's parameter order, or False: Triton's path always."""
-        got = self._params.get(id(kernel))
-        if got is None:
-            if not hasattr(kernel, "device_caches") or not hasattr(kernel, "params"):
-                got = False  # not a plain JIT function (an autotuner, a heuristics wrapper): Triton's path
-            else:
-                sig = inspect.signature(kernel.fn).parameters
-                got = (tuple(p.name for p in kernel.params), tuple(bool(p.is_constexpr) for p in kernel.params),
-                       tuple(sig[p.name].default for p in kernel.params))
-            self._params[id(kernel)] = got
+        """(names, constexpr flags, defaults) in the kernel's parameter order (`_kernel_info`'s), or False: Triton's
+        path always."""
+        if not hasattr(kernel, "device_caches") or not hasattr(kernel, "params"):
+            got = False  # not a plain JIT function (an autotuner, a heuristics wrapper): Triton's path
+        else:
+            _, names, consts, _ = _kernel_info(kernel)
+            sig = inspect.signature(kernel.fn).parameters
+            got = names, tuple(n in consts for n in names), tuple(sig[n].default for n in names)
+        self._params[id(kernel)] = got
         return got
 
     def _key_of(self, v):
@@ -133,7 +132,7 @@ class _DirectLaunch:
                 key.append(v if type(v) is int else (type(v), v))  # 1, 1.0, True: equal keys, not one constexpr
             elif type(v) is tensor:  # the common cases first
                 key.append((v.dtype, v.data_ptr() % 16 == 0))
-            elif type(v) is int:
+            elif type(v) is int:  # `_int_class` inline: the call would cost more than the key
                 key.append((-2 ** 31 <= v < 2 ** 31, -2 ** 63 <= v < 2 ** 63, v == 1, v % 16 == 0))
             else:
                 k = key_of(v)

@@ -1,8 +1,9 @@
 """The workspace pool: scratch buffers that may be kept between calls, bounded.
 
 `take(role, nbytes)` returns a uint8 tensor of `nbytes` whose content is undefined (kernels that need zeros zero
-it). With the bound at 0 (the default, `--cake-workspace-pool-bytes`) nothing is kept: `take` is a plain
-`torch.empty` on the current stream, and the buffer dies with the call. Above 0 the pool keeps one buffer per
+it); `take_tensor(role, shape, dtype, device=...)` the same as a typed tensor. With the bound at 0 (the default,
+`--cake-workspace-pool-bytes`) nothing is kept: `take` is a plain `torch.empty` on the current stream, and the
+buffer dies with the call. Above 0 the pool keeps one buffer per
 (device, stream, role), grows it on demand, and evicts least-recently-used buffers of the same device to stay
 under the bound. A buffer is only ever handed to work on the stream it is keyed by, so stream order alone makes
 reuse safe — given that one host thread at a time enqueues an op's launches on a stream (as autograd's per-device
@@ -13,6 +14,7 @@ threads).
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 
@@ -49,6 +51,15 @@ def _empty(nbytes: int, device: torch.device, stream) -> torch.Tensor:
         with torch.cuda.stream(stream):
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def take_tensor(role, shape, dtype, *, device) -> torch.Tensor:
+    """A `shape` tensor of `dtype` (undefined content) for `role` on `device`'s current stream: `take`'s buffer viewed
+    as it, or with the bound at 0 one plain allocation (the pool's bookkeeping and the views cost more host time)."""
+    if config.pool_bytes() == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * dtype.itemsize
+    return take(role, max(size, 16), device=device)[:size].view(dtype).view(shape)
 
 
 def take(role, nbytes: int, *, device=None, stream=None) -> torch.Tensor:

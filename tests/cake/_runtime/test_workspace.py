@@ -28,6 +28,20 @@ def test_bound_zero_keeps_nothing():
     assert mek.release() == 0
 
 
+def test_take_tensor_typed_from_the_pool_or_plain():
+    a = workspace.take_tensor(ROLE, (3, 5), torch.float32, device="cpu")  # bound 0: a plain allocation
+    assert (a.shape, a.dtype) == ((3, 5), torch.float32) and workspace.stats()["misses"] == 0
+    mek.configure(workspace_pool_bytes=10_000)
+    try:
+        b = workspace.take_tensor(ROLE, (3, 5), torch.float32, device="cpu")
+        c = workspace.take_tensor(ROLE, (2, 4), torch.bfloat16, device="cpu")  # smaller: the same buffer
+        assert (c.shape, c.dtype) == ((2, 4), torch.bfloat16) and c.data_ptr() == b.data_ptr()
+        s = workspace.stats()
+        assert (s["hits"], s["misses"], s["held_bytes"]) == (1, 1, 60)
+    finally:
+        mek.configure()
+
+
 def test_hit_miss_grow():
     mek.configure(workspace_pool_bytes=10_000)
     a = workspace.take(ROLE, 1000, device="cpu")

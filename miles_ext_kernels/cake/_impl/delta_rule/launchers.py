@@ -3,11 +3,9 @@ of the gate-independent kernels (the L2 norm of q and k; the per-key-head sum of
 L2-norm backward). Every launch goes through `_runtime.launch.launch`, so each op's `routes()` records them."""
 from __future__ import annotations
 
-import math
-
 import torch
 
-from miles_ext_kernels.cake._runtime import build, config, varlen, workspace
+from miles_ext_kernels.cake._runtime import build, varlen, workspace
 from miles_ext_kernels.cake._runtime.launch import launch
 from miles_ext_kernels.cake._runtime.operands import operand
 
@@ -17,12 +15,8 @@ INTERPRET = build.INTERPRET
 
 
 def scratch(op: str, role: str, shape, dtype, device) -> torch.Tensor:
-    """A `shape` tensor of scratch from the workspace pool (role `(op, role)`); its content is undefined. With the
-    pool off (its default) a plain allocation: the pool's bookkeeping and three views cost more host time."""
-    if device is not None and config.pool_bytes() == 0:
-        return torch.empty(shape, dtype=dtype, device=device)
-    size = math.prod(shape) * dtype.itemsize
-    return workspace.take((op, role), max(size, 16), device=device)[:size].view(dtype).view(shape)
+    """A `shape` tensor of scratch from the workspace pool (role `(op, role)`); its content is undefined."""
+    return workspace.take_tensor((op, role), shape, dtype, device=device)
 
 
 def dense(x: torch.Tensor, op: str, name: str) -> torch.Tensor:
