@@ -1,5 +1,12 @@
 """Per-kernel device time of kda fwd + bwd at 4 x 32768 tokens, H = HV = 32, K = V = 128, safe gate, L2 norm, [V, K]
-states (torch.profiler, 5 steps after 3 warm-up steps; run from the repository root on a GPU)."""
+states (torch.profiler, 5 steps after 3 warm-up steps; run from the repository root on a GPU).
+
+    python bench/kda_profile.py [--cfg JSON] [--lens 2048x16]
+
+--cfg updates entries of the kda config table first (as bench/kda_sass.py's, e.g. '{"prep": {"num_warps": 4}}');
+--lens: the documents, LENxCOUNT."""
+import argparse
+import json
 import sys
 
 import torch
@@ -10,9 +17,17 @@ import kda as B  # bench/kda.py: make()
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
+from miles_ext_kernels.cake._impl.kda import configs
 
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--cfg", default="{}")
+ap.add_argument("--lens", default="32768x4")
+args = ap.parse_args()
+for name, entry in json.loads(args.cfg).items():
+    configs.CFG[name].update(entry)
 mek.configure(kda_variant="det")
-p = dict(H=32, HV=32, K=128, V=128, gate="safe", trans=True, lens=[32768] * 4)
+length, count = (int(x) for x in args.lens.split("x"))
+p = dict(H=32, HV=32, K=128, V=128, gate="safe", trans=True, lens=[length] * count)
 x = B.make(p)
 leaves = [x[n].requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
 
@@ -36,5 +51,6 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
     torch.cuda.synchronize()
 rows = [(e.key, e.device_time_total / N / 1e3, e.count // N) for e in prof.key_averages() if e.device_time_total > 0]
+print(f"cfg {args.cfg} lens {args.lens}: total {sum(r[1] for r in rows):.3f} ms/step")
 for name, ms, calls in sorted(rows, key=lambda r: -r[1])[:20]:
     print(f"{ms:9.3f} ms/step  x{calls:<3d} {name[:90]}")

@@ -97,8 +97,11 @@ def test_math_exact_in_fp32(gate, lens, H, HV, K, V, l2, trans):
 
 @pytest.mark.parametrize("split, bk, narrow", [(False, 16, False), (True, 16, True)])
 def test_k_slices_phases_and_narrow_state_tiles(split, bk, narrow, monkeypatch):
-    """dq / dk / dw in K slices, in one launch (PHASE 0) or two (the dk launch adds its dG to the first's), and the
-    state kernels' narrow tiles (two V blocks) match FP64 in fp32."""
+    """The prep's grams, the WY backward and dq / dk / dw in K slices (the latter in one launch, PHASE 0, or two:
+    the dk launch adds its dG to the first's), and the state kernels' narrow tiles (two V blocks) match FP64 in
+    fp32."""
+    monkeypatch.setitem(configs.CFG, "prep", dict(configs.CFG["prep"], BK=bk))
+    monkeypatch.setitem(configs.CFG, "wy", dict(configs.CFG["wy"], BK=bk))
     monkeypatch.setitem(configs.CFG, "dqkw", dict(configs.CFG["dqkw"], BK=bk, BK_dk=bk, SPLIT=split))
     monkeypatch.setitem(configs.CFG, "h_narrow", dict(configs.CFG["h_narrow"], BV=16))
     monkeypatch.setitem(configs.CFG, "dh_narrow", dict(configs.CFG["dh_narrow"], BV=16))

@@ -135,7 +135,10 @@ def _level(o_t, G, gc, gcol, GC_RS, o_k, t0, eos, S: tl.constexpr):
     (both arguments <= 0 for a decay); pair [BT, BT]: (i, j) is a lower row and an upper row of one 2S block."""
     lower = ((o_t // S) % 2) == 1
     ref = (o_t // (2 * S)) * (2 * S) + S
-    gref = tl.load(gc + tl.minimum(t0 + ref, eos - 1)[:, None] * GC_RS + gcol + o_k[None, :])
+    # one 64-bit base per chunk and 32-bit in-chunk offsets: a [BT, BK] tile of 64-bit pointers costs twice the
+    # registers
+    rr = tl.minimum(ref, (eos - 1 - t0).to(tl.int32))
+    gref = tl.load((gc + t0 * GC_RS + gcol) + rr[:, None] * GC_RS + o_k[None, :])
     e = tl.exp(tl.where(lower[:, None], G - gref, gref - G))
     pair = (o_t[:, None] // (2 * S) == o_t[None, :] // (2 * S)) & lower[:, None] & (((o_t // S) % 2) == 0)[None, :]
     return lower, e, pair
@@ -210,10 +213,11 @@ def _join4(x0, x1, x2, x3):
 # forward
 @triton.jit(do_not_specialize=["H", "HV"])
 def fwd_prep_kernel(q, k, g, A_log, dt_bias, beta, se, table, gc, A, Aqk, scale, lower_bound, H, HV, K: tl.constexpr,
-                    BT: tl.constexpr, GATE: tl.constexpr, INTERPRET: tl.constexpr):
+                    BT: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, INTERPRET: tl.constexpr):
     """Per chunk: the gate (GATE), gc = in-chunk cumsum of the log decay; Aqk; A = (I + L)^-1 from L's 16 x 16
     blocks (gdn's block inverse), taken out of the [BT, BT] tile by reshape / permute / split (no memory round trip)
-    and put back by join."""
+    and put back by join. The key dimensions go in BK-wide slices (the cumsum is per column, the grams add up over
+    the slices in one order): one slice's [BT, BK] tiles are live at a time, not the whole [BT, K] set."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.load(table + 2 * p)
@@ -225,26 +229,30 @@ def fwd_prep_kernel(q, k, g, A_log, dt_bias, beta, se, table, gc, A, Aqk, scale,
     hk = hv // (HV // H)
     DT = k.dtype.element_ty
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
     t0 = bos + ic * BT
     rows = t0 + o_t
     m = rows < eos
-    qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
-    g_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-    b_q = tl.load(q + qk_off, mask=m[:, None], other=0.).to(tl.float32)
-    b_k = tl.load(k + qk_off, mask=m[:, None], other=0.).to(tl.float32)
-    b_g = tl.load(g + g_off, mask=m[:, None], other=0.).to(tl.float32)
-    if GATE != 0:
-        a_log, bias = _gate_params(A_log, dt_bias, hv, o_k, K, GATE)
-        b_g = _gate(b_g + bias[None, :], a_log, lower_bound, GATE)
-    # padding rows (g = 0) carry the chunk's last G: no exp below sees a positive difference
-    b_g = tl.where(m[:, None], tl.where(b_g < G_FLOOR, G_FLOOR, b_g), 0.)
-    b_gc = tl.cumsum(b_g, axis=0)
-    tl.store(gc + g_off, b_gc, mask=m[:, None])
+    sq = tl.zeros([BT, BT], dtype=tl.float32)
+    sk = tl.zeros([BT, BT], dtype=tl.float32)
+    for ks in range(0, K // BK):
+        o_k = ks * BK + tl.arange(0, BK)
+        qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
+        g_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
+        b_q = tl.load(q + qk_off, mask=m[:, None], other=0.).to(tl.float32)
+        b_k = tl.load(k + qk_off, mask=m[:, None], other=0.).to(tl.float32)
+        b_g = tl.load(g + g_off, mask=m[:, None], other=0.).to(tl.float32)
+        if GATE != 0:
+            a_log, bias = _gate_params(A_log, dt_bias, hv, o_k, K, GATE)
+            b_g = _gate(b_g + bias[None, :], a_log, lower_bound, GATE)
+        # padding rows (g = 0) carry the chunk's last G: no exp below sees a positive difference
+        b_g = tl.where(m[:, None], tl.where(b_g < G_FLOOR, G_FLOOR, b_g), 0.)
+        b_gc = tl.cumsum(b_g, axis=0)
+        tl.store(gc + g_off, b_gc, mask=m[:, None])
+        tl.debug_barrier()  # the halving levels read their reference rows of gc back
+        s_q, s_k = _gated_grams(b_q, b_k, b_gc, gc, hv * K, HV * K, o_k, t0, eos, BT, DT, INTERPRET)
+        sq += s_q
+        sk += s_k
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
-    tl.debug_barrier()  # the halving levels read their reference rows of gc back
-
-    sq, sk = _gated_grams(b_q, b_k, b_gc, gc, hv * K, HV * K, o_k, t0, eos, BT, DT, INTERPRET)
     a_off = rows[:, None] * (HV * BT) + hv * BT + o_t[None, :]
     tl.store(Aqk + a_off, _rnd(sq * scale, Aqk.dtype.element_ty, INTERPRET), mask=m[:, None])
     # a non-finite entry of L (row i: tokens <= i) would spread to earlier rows of A through the block products'
@@ -527,22 +535,25 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, dg
 
 @triton.jit(do_not_specialize=["H", "HV"])
 def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, dko, dgp, dgx, dv, dbeta, dg, part,
-                  lower_bound, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  lower_bound, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  GATE: tl.constexpr, INTERPRET: tl.constexpr):
     """Backward through w = A X, u = A Y and A = (I + L)^-1; finishes dk, dv, dbeta and dg (reverse cumsum of dG,
     then through the in-kernel gate). dko = dk + this kernel's dk (dko may be dk); dgp holds the dq / dk / dw
     kernel's dG, dgx the state term of dg per row (its exclusive prefix sum is added after the reverse scan). With
     the gate (GATE): part [P, HV * K + HV]
     gets this chunk's sums over its rows of ddt_bias (column hv * K + d) and of dA_log's terms (column HV * K + hv);
-    unused slots write zeros, so a fixed-order column sum over the P slots gives the parameters' gradients."""
+    unused slots write zeros, so a fixed-order column sum over the P slots gives the parameters' gradients.
+    The key dimensions go in BK-wide slices, twice: dA sums dw X^T over them; then dL = -A^T dA A^T, and every
+    per-key-dimension result (dk, dg, the gate's backward, ddt_bias) is a slice's own; dbeta and dA_log's terms add
+    up over the slices in one order."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
-    o_k = tl.arange(0, K)
     n = tl.load(table + 2 * p)
     if n < 0:
         if GATE != 0:
             prow = p.to(tl.int64) * (HV * K + HV)
-            tl.store(part + prow + hv * K + o_k, tl.zeros([K], dtype=tl.float32))
+            o_kz = tl.arange(0, K)
+            tl.store(part + prow + hv * K + o_kz, tl.zeros([K], dtype=tl.float32))
             tl.store(part + prow + HV * K + hv, 0.)
         return
     ic = tl.load(table + 2 * p + 1).to(tl.int64)
@@ -555,14 +566,9 @@ def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, d
     t0 = bos + ic * BT
     rows = t0 + o_t
     m = rows < eos
-    k_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
     v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
-    w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
 
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
-    b_g = tl.load(gc + tl.minimum(rows, eos - 1)[:, None] * (HV * K) + hv * K + o_k[None, :])
-    eg = tl.exp(b_g)
-    bx = b_b[:, None] * eg
     # A^T, Y^T, X^T are transposes of loaded or elementwise (not matmul-produced) tiles: safe on triton 3.6 Hopper
     b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
     b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
@@ -572,50 +578,65 @@ def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, d
     tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])
     b_db = tl.sum(b_dy * b_v, 1)
     b_da = _dot(b_dd, tl.trans(b_y), INTERPRET)  # dA [i, j], v term
-    b_kd = tl.load(k + k_off, mask=m[:, None], other=0.)
-    b_kf = b_kd.to(tl.float32)
-    b_x = _rnd((b_kf * bx), DT, INTERPRET)
-    b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
-    b_da += _dot(b_dw, tl.trans(b_x), INTERPRET)
+    for ks in range(0, K // BK):  # + the k term, dw X^T
+        o_k = ks * BK + tl.arange(0, BK)
+        w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
+        b_g = tl.load(gc + tl.minimum(rows, eos - 1)[:, None] * (HV * K) + hv * K + o_k[None, :])
+        b_kf = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
+        b_x = _rnd((b_kf * (b_b[:, None] * tl.exp(b_g))), DT, INTERPRET)
+        b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
+        b_da += _dot(b_dw, tl.trans(b_x), INTERPRET)
     b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)
-    # L_ij = beta_i sum_d k_id k_jd Gam_ij,d: R0_i = sum_j dL_ij k_j Gam (for dk_i, dbeta_i),
-    # C_j = sum_i dL_ij beta_i k_i Gam (for dk_j)
-    r0, c = _gated_pair(b_dl, b_kf, b_kf * b_b[:, None], b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, K, False, True,
-                        True, DT, INTERPRET)
-    b_db += tl.sum(b_kf * r0, 1)
-    r0 = r0 * b_b[:, None]
-    b_dk = r0 + c
-    b_dg = b_kf * (r0 - c)
-    b_dx = _dot(b_at, b_dw, INTERPRET)
-    b_db += tl.sum(b_dx * b_kf * eg, 1)
-    b_dg += b_dx * b_kf * bx
-    b_dk += b_dx * bx
+    ta_sum = 0.
+    for ks in range(0, K // BK):
+        o_k = ks * BK + tl.arange(0, BK)
+        w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
+        b_g = tl.load(gc + tl.minimum(rows, eos - 1)[:, None] * (HV * K) + hv * K + o_k[None, :])
+        eg = tl.exp(b_g)
+        bx = b_b[:, None] * eg
+        b_kf = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
+        b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
+        # L_ij = beta_i sum_d k_id k_jd Gam_ij,d: R0_i = sum_j dL_ij k_j Gam (for dk_i, dbeta_i),
+        # C_j = sum_i dL_ij beta_i k_i Gam (for dk_j)
+        r0, c = _gated_pair(b_dl, b_kf, b_kf * b_b[:, None], b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, False,
+                            True, True, DT, INTERPRET)
+        b_db += tl.sum(b_kf * r0, 1)
+        r0 = r0 * b_b[:, None]
+        b_dk = r0 + c
+        b_dg = b_kf * (r0 - c)
+        b_dx = _dot(b_at, b_dw, INTERPRET)
+        b_db += tl.sum(b_dx * b_kf * eg, 1)
+        b_dg += b_dx * b_kf * bx
+        b_dk += b_dx * bx
 
-    b_dk += tl.load(dk + w_off, mask=m[:, None], other=0.).to(tl.float32)
-    tl.store(dko + w_off, _rnd(b_dk, dko.dtype.element_ty, INTERPRET), mask=m[:, None])
-    b_dg += tl.load(dgp + w_off, mask=m[:, None], other=0.)
-    b_dg = tl.where(m[:, None], b_dg, 0.)
-    # d of each token's log decay: a reverse scan (total - cumsum + x would leave every token an error of eps times
-    # the chunk's total, one error shared by all of them, which the sums over tokens of ddt_bias / dA_log add up)
-    b_dg = tl.cumsum(b_dg, axis=0, reverse=True)
-    # + the state term's exclusive prefix sum: row t adds dgx's rows < t (the scan of the rows shifted by one)
-    b_dg += tl.cumsum(tl.load(dgx + w_off - HV * K, mask=(m & (o_t > 0))[:, None], other=0.), axis=0)
-    if GATE != 0:
-        a_log, bias = _gate_params(A_log, dt_bias, hv, o_k, K, GATE)
-        x = tl.load(g + w_off, mask=m[:, None], other=0.).to(tl.float32) + bias[None, :]
-        ea = tl.exp(a_log)
-        if GATE == 1:
-            ta = b_dg * (-ea * _softplus(x))  # d g_eff / d A_log = g_eff
-            b_dg = b_dg * (-ea * tl.sigmoid(x))
-        else:
-            s = tl.sigmoid(ea * x)
-            b_dg = b_dg * (lower_bound * s * (1. - s) * ea)
-            ta = b_dg * x
+        b_dk += tl.load(dk + w_off, mask=m[:, None], other=0.).to(tl.float32)
+        tl.store(dko + w_off, _rnd(b_dk, dko.dtype.element_ty, INTERPRET), mask=m[:, None])
+        b_dg += tl.load(dgp + w_off, mask=m[:, None], other=0.)
         b_dg = tl.where(m[:, None], b_dg, 0.)
-        prow = p.to(tl.int64) * (HV * K + HV)
-        tl.store(part + prow + hv * K + o_k, tl.sum(b_dg, 0))
-        tl.store(part + prow + HV * K + hv, tl.sum(tl.sum(tl.where(m[:, None], ta, 0.), 1), 0))
-    tl.store(dg + w_off, _rnd(b_dg, dg.dtype.element_ty, INTERPRET), mask=m[:, None])
+        # d of each token's log decay: a reverse scan (total - cumsum + x would leave every token an error of eps
+        # times the chunk's total, one error shared by all of them, which the sums over tokens of ddt_bias / dA_log
+        # add up)
+        b_dg = tl.cumsum(b_dg, axis=0, reverse=True)
+        # + the state term's exclusive prefix sum: row t adds dgx's rows < t (the scan of the rows shifted by one)
+        b_dg += tl.cumsum(tl.load(dgx + w_off - HV * K, mask=(m & (o_t > 0))[:, None], other=0.), axis=0)
+        if GATE != 0:
+            a_log, bias = _gate_params(A_log, dt_bias, hv, o_k, K, GATE)
+            x = tl.load(g + w_off, mask=m[:, None], other=0.).to(tl.float32) + bias[None, :]
+            ea = tl.exp(a_log)
+            if GATE == 1:
+                ta = b_dg * (-ea * _softplus(x))  # d g_eff / d A_log = g_eff
+                b_dg = b_dg * (-ea * tl.sigmoid(x))
+            else:
+                s = tl.sigmoid(ea * x)
+                b_dg = b_dg * (lower_bound * s * (1. - s) * ea)
+                ta = b_dg * x
+            b_dg = tl.where(m[:, None], b_dg, 0.)
+            prow = p.to(tl.int64) * (HV * K + HV)
+            tl.store(part + prow + hv * K + o_k, tl.sum(b_dg, 0))
+            ta_sum += tl.sum(tl.sum(tl.where(m[:, None], ta, 0.), 1), 0)
+        tl.store(dg + w_off, _rnd(b_dg, dg.dtype.element_ty, INTERPRET), mask=m[:, None])
+    if GATE != 0:
+        tl.store(part + p.to(tl.int64) * (HV * K + HV) + HV * K + hv, ta_sum)
     tl.store(dbeta + rows * HV + hv, b_db, mask=m)
 
 

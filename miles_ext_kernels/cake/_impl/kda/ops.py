@@ -139,8 +139,8 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     A = torch.empty(Tt, HV, BT, dtype=dt, device=device)
     Aqk = torch.empty(Tt, HV, BT, dtype=dt, device=device)
     launch(kn.fwd_prep_kernel, (P, HV), q=qn, k=kk, g=gd, A_log=al, dt_bias=db, beta=bf, se=se, table=table, gc=gc,
-           A=A, Aqk=Aqk, scale=float(scale), lower_bound=float(lower_bound), H=H, HV=HV, K=K, BT=BT, GATE=gate,
-           INTERPRET=INTERPRET, **_cfg(tab, "prep"))
+           A=A, Aqk=Aqk, scale=float(scale), lower_bound=float(lower_bound), H=H, HV=HV, K=K, BT=BT,
+           BK=min(K, tab["prep"]["BK"]), GATE=gate, INTERPRET=INTERPRET, **_cfg(tab, "prep"))
     w = torch.empty(Tt, HV, K, dtype=dt, device=device)
     # under CP, u outlives the exchange (other ranks' stages may run in between): no scratch
     u = _ws("u", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
@@ -257,8 +257,8 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     part = _ws("gate_part", (P, HV * K + HV), torch.float32, device) if gate else dbf
     launch(kn.bwd_wy_kernel, grid, k=kk, v=v, beta=bf, g=gd, A_log=al, dt_bias=db, gc=gc, A=A, dw=dw, dd=dd, se=se,
            table=table, dk=dkv, dko=dkf, dgp=dgp, dgx=dgx, dv=dv, dbeta=dbf, dg=dg, part=part,
-           lower_bound=float(lower_bound), H=H, HV=HV, K=K, V=V, BT=BT, GATE=gate, INTERPRET=INTERPRET,
-           **_cfg(tab, "wy"))
+           lower_bound=float(lower_bound), H=H, HV=HV, K=K, V=V, BT=BT, BK=min(K, tab["wy"]["BK"]), GATE=gate,
+           INTERPRET=INTERPRET, **_cfg(tab, "wy"))
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     core.key_head_sums(((q, dqv, dq), (k, dkf, dk)), Tt, H, HV, K, use_l2, _rows_cfg(tab, "final"))
