@@ -234,3 +234,14 @@ def test_routes_are_the_launchers_launches():
     assert any("TRANS_STATE=True" in lab for lab in labels) and any("GATE=2" in lab for lab in labels)
     with pytest.raises(ValueError, match="head dims"):
         ops.routes(24, 128)
+
+
+def test_register_cap_reaches_the_launch_and_its_route(monkeypatch):
+    """A config entry's maxnreg is a launch option of that kernel (and only where an entry has one): the route a
+    prebuild compiles carries it, and a call with it runs."""
+    monkeypatch.setitem(configs.CFG, "prep", dict(configs.CFG["prep"], maxnreg=128))
+    assert ops._cfg(configs.CFG, "prep")["maxnreg"] == 128 and "maxnreg" not in ops._cfg(configs.CFG, "wu")
+    preps = [r for r in ops.routes(128, 128) if r.label.startswith("fwd_prep_kernel[")]
+    assert preps and all("maxnreg=128" in r.label for r in preps), [r.label for r in preps]
+    inp = demo_mod.make_inputs([70], 1, 2, 32, 32, "cpu", gate="softplus", seed=3)
+    _exact(_fp32_case(inp, True))

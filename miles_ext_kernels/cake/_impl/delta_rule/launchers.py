@@ -68,9 +68,13 @@ def key_head_sums(pairs, R: int, H: int, HV: int, K: int, use_l2: bool, cfg: dic
 # the config tables' reading, shared by gdn and kda (`cm` is the op's configs module: DEFAULT_STAGES, NARROW_BELOW
 # are read when a call runs, so a test may patch them)
 def launch_opts(tab: dict, name: str, cm) -> dict:
-    """Launch options of one kernel: num_warps, num_stages (cm.DEFAULT_STAGES unless its entry says)."""
+    """Launch options of one kernel: num_warps, num_stages (cm.DEFAULT_STAGES unless its entry says) and, where its
+    entry has one, maxnreg (a register cap per thread: fewer registers, more CTAs per SM, more spills)."""
     c = tab[name]
-    return dict(num_warps=c["num_warps"], num_stages=c.get("num_stages", cm.DEFAULT_STAGES))
+    opts = dict(num_warps=c["num_warps"], num_stages=c.get("num_stages", cm.DEFAULT_STAGES))
+    if "maxnreg" in c:
+        opts["maxnreg"] = c["maxnreg"]
+    return opts
 
 
 def block_v(tab: dict, name: str, V: int) -> int:

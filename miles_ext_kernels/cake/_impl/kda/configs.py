@@ -12,6 +12,9 @@ head dims.
   backward's 2.3 - 2.6 KB -> 1.2 - 1.4 KB; 32-wide slices compile to the m64n16 / mma.sync tf32 shapes the journal
   suspects of triton 3.6's Hopper fault). wy num_stages 1: two stages double its shared memory to 256 KB, over the
   H200's 227 KB.
+- maxnreg (any entry, optional): a per-thread register cap for that kernel (launch option); none set yet. Offline
+  (triton 3.6, sm_90a): the prep at 128 spills 1.2 KB per thread (at the 255 default: 0.3 KB), dq / dk / dw 1.0 KB
+  (0.1 KB) - the price of two CTAs of 8 warps per SM, to be measured against one (bench/NOTES.md, kda v3).
 - dqkw BK < K: dq / dk / dw in K slices (each slice writes its own key dimensions of dG); SPLIT: dq, dw and dk in
   two launches (the dk launch adds its dG to the first's; num_warps_dk, BK_dk are the dk launch's).
 - final LOW_PARTIALS: the per-value-head dq, dk sums read by bwd_final kept in the input dtype (bf16) instead of
