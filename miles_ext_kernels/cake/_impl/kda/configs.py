@@ -1,12 +1,12 @@
 """Fixed launch configs of the kda kernels (no autotuning: a new process picks the same config, hence the same bits).
 
 UNTUNED: the sm_90a table is a first guess from gdn's swept table (same launch sequence and tiles), adjusted for the
-larger live tiles of a per-key-dimension gate, and not yet measured on a GPU. Checked offline only: every route at
-K = V = 128 compiles for sm_90a with triton 3.9 (bench/sass.py's way, no GPU; the GPU machine's 3.6 not yet); from
-its ptxas counts: "h" takes 2 stages (3 need 246 784 B of shared memory, over the H200's 232 448: the G^T tile of a
-vector gate is pipelined too), the prep and dqkw 8 warps (4 spilled 2.1 / 1.5 KB; 8: 0.9 / 0.1 KB), the WY
-backward stays at 8 (16 caps registers at 128 and spills more; at 8 it spills ~3 KB). BV / BK are capped at the
-head dims.
+larger live tiles of a per-key-dimension gate, and not swept on a GPU (the key slices below: one A/B,
+bench/NOTES.md). Every route at K = V = 128 compiles for sm_90a (bench/kda_sass.py, triton 3.6 and 3.9); from the
+first ptxas counts (before the key slices): "h" takes 2 stages (3 need 246 784 B of shared memory, over the
+H200's 232 448: the G^T tile of a vector gate is pipelined too), the prep and dqkw 8 warps (4 spilled 2.1 /
+1.5 KB; 8: 0.9 / 0.1 KB), the WY backward stays at 8 (16 caps registers at 128 and spills more; at 8 it spilled
+~3 KB). BV / BK are capped at the head dims.
 - prep BK, wy BK: the prep's grams and the WY backward loop over BK-wide key slices (64: one slice's tiles live at a
   time; offline, triton 3.6, sm_90a: the prep's spill 0.9 - 1.7 KB per thread at BK = K -> 0.3 KB, the WY
   backward's 2.3 - 2.6 KB -> 1.2 - 1.4 KB; 32-wide slices compile to the m64n16 / mma.sync tf32 shapes the journal
