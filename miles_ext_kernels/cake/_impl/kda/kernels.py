@@ -163,34 +163,30 @@ def _gated_grams(q, k, G, gc, gcol, GC_RS, o_k, t0, eos, BT: tl.constexpr, DT: t
 
 
 @triton.jit
-def _gated_pair(M, MT, xr, xc, G, gc, gcol, GC_RS, o_k, t0, eos, BT: tl.constexpr, BK: tl.constexpr,
+def _gated_pair(M, xr, xc, G, gc, gcol, GC_RS, o_k, t0, eos, BT: tl.constexpr, BK: tl.constexpr,
                 INCL: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, DT: tl.constexpr,
                 INTERPRET: tl.constexpr):
     """The two decay-weighted products of an in-chunk matrix M [BT, BT] (lower triangular: j <= i with INCL, else
     j < i; entries above are never read), per key dimension d of a BK-wide slice:
 
-        R_i = sum_j M_ij xr_j exp(G_i - G_j)   (ROWS, from M)     C_j = sum_i M_ij xc_i exp(G_i - G_j)   (COLS, from MT)
+        R_i = sum_j M_ij xr_j exp(G_i - G_j)   (ROWS)          C_j = sum_i M_ij xc_i exp(G_i - G_j)   (COLS)
 
-    MT is M^T, formed by the caller from its factors (not by a transpose of a product: triton 3.6's Hopper hazard),
-    so both products are plain [BT, BT] x [BT, BK] ones: the columns product as (x^T M)^T would move x, M and the
-    result through shared memory for the transposes at every level. M (MT) is only read with ROWS (COLS), the
-    diagonal with INCL from M. xr, xc [BT, BK] are the operand tiles; G [BT, BK] the chunk's G (padding rows: the
-    last G); gc (row stride GC_RS, column offset gcol) its rows in memory."""
+    xr, xc [BT, BK] are the operand tiles; G [BT, BK] the chunk's G (padding rows: the last G); gc (row stride GC_RS,
+    column offset gcol) its rows in memory."""
     tl.static_assert(BT == 64)
     o_t = tl.arange(0, BT)
     R = tl.zeros([BT, BK], dtype=tl.float32)
     C = tl.zeros([BT, BK], dtype=tl.float32)
     for lvl in tl.static_range(6):
         lower, e, pair = _level(o_t, G, gc, gcol, GC_RS, o_k, t0, eos, 32 >> lvl)
+        ms = tl.where(pair, M, 0.)
         if ROWS:
             xu = tl.where(lower[:, None], 0., xr * e)
-            R += tl.where(lower[:, None], _tdot(tl.where(pair, M, 0.), xu, DT, INTERPRET) * e, 0.)
+            R += tl.where(lower[:, None], _tdot(ms, xu, DT, INTERPRET) * e, 0.)
         if COLS:
             xl = tl.where(lower[:, None], xc * e, 0.)
-            # pair^T: row j an upper row, column i a lower row of one 2S block
-            upper = ((o_t // (32 >> lvl)) % 2) == 0
-            pt = (o_t[:, None] // (64 >> lvl) == o_t[None, :] // (64 >> lvl)) & upper[:, None] & lower[None, :]
-            C += tl.where(upper[:, None], _tdot(tl.where(pt, MT, 0.), xl, DT, INTERPRET) * e, 0.)
+            # (xl^T M)^T: the transposed product feeds only adds, never another matmul
+            C += tl.where(lower[:, None], 0., tl.trans(_tdot(tl.trans(xl), ms, DT, INTERPRET)) * e)
     if INCL:
         md = tl.sum(tl.where(o_t[:, None] == o_t[None, :], M, 0.), 1)
         R += md[:, None] * xr
@@ -500,34 +496,30 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, dg
     b_q = tl.load(q + qk_off, mask=m[:, None], other=0.).to(tl.float32)
     b_k = tl.load(k + qk_off, mask=m[:, None], other=0.).to(tl.float32)
     b_do = tl.load(do + v_off, mask=m[:, None], other=0.)
-    # dAqk = do dlt^T (Aqk holds the scale): the in-chunk matrix of both decay-weighted products, dq's rows product
-    # from it, dk's columns product from its transpose dlt do^T (each from its own factors)
+    # dAqk = do dlt^T (Aqk holds the scale): the in-chunk matrix of both decay-weighted products
+    b_m = _dot(b_do, tl.load(vn + vt_off, mask=m[None, :], other=0.), INTERPRET) * scale
+    md = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_m, 0.), 1)  # the diagonal (Gam_ii = 1)
     b_dg = tl.zeros([BT, BK], dtype=tl.float32)
     if PHASE != 2:
-        b_m = _dot(b_do, tl.load(vn + vt_off, mask=m[None, :], other=0.), INTERPRET) * scale
-        md = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_m, 0.), 1)  # the diagonal (Gam_ii = 1)
         b_ht = tl.load(h + st_t)
         b_dq = _dot(b_do, b_ht, INTERPRET) * (tl.exp(b_g) * scale)
         b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
         b_dw = -_dot(b_dd, b_ht, INTERPRET)
         tl.store(dw + out_k, _rnd(b_dw, dw.dtype.element_ty, INTERPRET), mask=m[:, None])
-        r_q, _c = _gated_pair(b_m, b_m, b_k, b_q, b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, False, True, False, DT,
+        r_q, _c = _gated_pair(b_m, b_k, b_q, b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, False, True, False, DT,
                               INTERPRET)
         b_dq += r_q
         b_dg += b_dq * b_q
         b_dq += md[:, None] * b_k
         tl.store(dq + out_k, _rnd(b_dq, dq.dtype.element_ty, INTERPRET), mask=m[:, None])
     if PHASE != 1:
-        b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
-        b_mt = _dot(b_vn, tl.load(do + vt_off, mask=m[None, :], other=0.), INTERPRET) * scale
-        if PHASE == 2:
-            md = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_mt, 0.), 1)
-        _r, c_k = _gated_pair(b_mt, b_mt, b_k, b_q, b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, False, False, True,
-                              DT, INTERPRET)
+        _r, c_k = _gated_pair(b_m, b_k, b_q, b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, False, False, True, DT,
+                              INTERPRET)
         last = tl.minimum(t0 + BT, eos) - 1
         g_last = tl.load(gc + last * (HV * K) + hv * K + o_k)
         fac = tl.where(m[:, None], tl.exp(g_last[None, :] - b_g), 0.)
         b_dhet = tl.load(dhe + st_t)
+        b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
         b_dks = _dot(b_vn, b_dhet, INTERPRET) * fac
         b_dg -= c_k * b_k
         b_dk = c_k + md[:, None] * b_q + b_dks
@@ -539,18 +531,6 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, dg
         if PHASE == 2:
             b_dg += tl.load(dgp + out_k, mask=m[:, None], other=0.)
     tl.store(dgp + out_k, b_dg, mask=m[:, None])
-
-
-@triton.jit
-def _wy_slice(k, gc, dw, rows, m, eos, hv, hk, H, HV, ks, K: tl.constexpr, BK: tl.constexpr):
-    """The WY backward's loads of key slice ks (both of its slice loops read the same): (o_k, the [BT, BK] offsets
-    of a [T, HV, K] tensor, G (padding rows: the last row's), k in fp32, dw)."""
-    o_k = ks * BK + tl.arange(0, BK)
-    w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-    b_g = tl.load(gc + tl.minimum(rows, eos - 1)[:, None] * (HV * K) + hv * K + o_k[None, :])
-    b_kf = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
-    b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
-    return o_k, w_off, b_g, b_kf, b_dw
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
@@ -590,34 +570,36 @@ def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, d
 
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
     # A^T, Y^T, X^T are transposes of loaded or elementwise (not matmul-produced) tiles: safe on triton 3.6 Hopper
-    b_a = tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.)
-    b_at = tl.trans(b_a)
+    b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
     b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
     b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
     b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
     b_dy = _dot(b_at, b_dd, INTERPRET)
     tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])
     b_db = tl.sum(b_dy * b_v, 1)
-    # dA [i, j] and its transpose, each from its factors: v term, then the k term dw X^T
-    b_da = _dot(b_dd, tl.trans(b_y), INTERPRET)
-    b_dat = _dot(b_y, tl.trans(b_dd), INTERPRET)
-    for ks in range(0, K // BK):
-        o_k, w_off, b_g, b_kf, b_dw = _wy_slice(k, gc, dw, rows, m, eos, hv, hk, H, HV, ks, K, BK)
+    b_da = _dot(b_dd, tl.trans(b_y), INTERPRET)  # dA [i, j], v term
+    for ks in range(0, K // BK):  # + the k term, dw X^T
+        o_k = ks * BK + tl.arange(0, BK)
+        w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
+        b_g = tl.load(gc + tl.minimum(rows, eos - 1)[:, None] * (HV * K) + hv * K + o_k[None, :])
+        b_kf = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
         b_x = _rnd((b_kf * (b_b[:, None] * tl.exp(b_g))), DT, INTERPRET)
+        b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
         b_da += _dot(b_dw, tl.trans(b_x), INTERPRET)
-        b_dat += _dot(b_x, tl.trans(b_dw), INTERPRET)
-    # dL = -A^T dA A^T for the rows product, dL^T = -A dA^T A for the columns product (`_gated_pair`)
     b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)
-    b_dlt = -_dot(b_a, _rnd(_dot(_rnd(b_dat, DT, INTERPRET), b_a, INTERPRET), DT, INTERPRET), INTERPRET)
     ta_sum = 0.
     for ks in range(0, K // BK):
-        o_k, w_off, b_g, b_kf, b_dw = _wy_slice(k, gc, dw, rows, m, eos, hv, hk, H, HV, ks, K, BK)
+        o_k = ks * BK + tl.arange(0, BK)
+        w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
+        b_g = tl.load(gc + tl.minimum(rows, eos - 1)[:, None] * (HV * K) + hv * K + o_k[None, :])
         eg = tl.exp(b_g)
         bx = b_b[:, None] * eg
+        b_kf = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
+        b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
         # L_ij = beta_i sum_d k_id k_jd Gam_ij,d: R0_i = sum_j dL_ij k_j Gam (for dk_i, dbeta_i),
         # C_j = sum_i dL_ij beta_i k_i Gam (for dk_j)
-        r0, c = _gated_pair(b_dl, b_dlt, b_kf, b_kf * b_b[:, None], b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK,
-                            False, True, True, DT, INTERPRET)
+        r0, c = _gated_pair(b_dl, b_kf, b_kf * b_b[:, None], b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, False,
+                            True, True, DT, INTERPRET)
         b_db += tl.sum(b_kf * r0, 1)
         r0 = r0 * b_b[:, None]
         b_dk = r0 + c
