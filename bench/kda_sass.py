@@ -63,7 +63,8 @@ def _counts(args) -> int:
         ops_ = [i.split()[1] if i.startswith("@") else i.split()[0] for i in S.instructions(S._sass(ck.asm["cubin"]))]
         rep = S._ptxas_report(ck.asm["ptx"])
         tag = " ".join(f"{k}={r.args[k]}" for k in ("GATE", "PHASE", "BK", "num_warps") if k in r.args)
-        cnt = {p: sum(o.startswith(p) for o in ops_) for p in ("HGMMA", "HMMA", "FFMA", "MUFU")}
+        kinds = ("HGMMA", "HMMA", "FFMA", "MUFU", "STS", "LDS", "BAR", "SHFL")
+        cnt = {p: sum(o.startswith(p) for o in ops_) for p in kinds}
         print(f"{name:16s} {tag:30s} regs {rep['registers']} stack {rep['stack']} spill st/ld "
               f"{rep['spill_stores']}/{rep['spill_loads']} smem {ck.metadata.shared} "
               + " ".join(f"{k} {v}" for k, v in cnt.items()), flush=True)
