@@ -46,11 +46,17 @@ def env_info() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=RESULTS.parent, timeout=10, capture_output=True, text=True,
+                              check=False).stdout.strip()
+
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent, timeout=10,
-                                        capture_output=True, text=True, check=False).stdout.strip() or None
+        info["commit"] = git("rev-parse", "--short", "HEAD") or None
+        # a copied tree may carry git metadata of another commit: then the commit alone does not say what ran
+        info["tree_differs_from_commit"] = bool(git("status", "--porcelain", "--untracked-files=no")) \
+            if info["commit"] else None
     except (OSError, subprocess.SubprocessError):
-        info["commit"] = None  # a copy of the tree without git (the GPU machine)
+        info["commit"] = None  # a copy of the tree without git
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["capability"] = list(torch.cuda.get_device_capability())
