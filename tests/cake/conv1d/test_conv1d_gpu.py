@@ -11,6 +11,7 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import conv1d
+from miles_ext_kernels.cake._impl.conv1d.configs import CONFIGS
 from miles_ext_kernels.cake._impl.conv1d.reference import causal_conv1d_ref_shift
 from miles_ext_kernels.cake._runtime.testing import check_budget
 from tests._paths import ROOT
@@ -282,8 +283,20 @@ def test_zero_initial_state_gives_the_bits_of_none():
     x, w, dy, cu, _, h = _halo_case(4, seed=42)
     for c in (cu, None):
         zeros = torch.zeros(1 if c is None else h.shape[0], *h.shape[1:], dtype=h.dtype, device="cuda")
-        for p, q in zip(run_halo(x, w, dy, c, zeros)[:3], run(x, w, dy, c)):
-            assert torch.equal(p, q)
+        for name, p, q in zip(("y", "dx", "dw"), run_halo(x, w, dy, c, zeros)[:3], run(x, w, dy, c)):
+            assert torch.equal(p, q), _where_bits_differ(name, p, q, c)
+
+
+def _where_bits_differ(name, p, q, cu):
+    """Which rows (channels for dw) differ, beside the document starts and the backward's program chunk bounds:
+    the message that locates the step that differs."""
+    if name == "dw":
+        return f"dw differs at (channel, tap) {(p != q).nonzero().tolist()[:40]}"
+    rows = (p != q).any(dim=-1).nonzero().flatten().tolist()
+    chunk = CONFIGS["sm_90a"]["bwd"]["CHUNK"]
+    starts = [] if cu is None else cu.tolist()
+    near = [(r, min(starts, key=lambda s: abs(s - r), default=None), r % chunk) for r in rows[:40]]
+    return f"{name} differs in {len(rows)} rows; (row, nearest document start, row % bwd CHUNK): {near}"
 
 
 def test_split_document_with_its_halo_is_the_whole():
