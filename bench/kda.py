@@ -50,24 +50,23 @@ BAR = 1.3  # the issue's bar: fla's time / ours
 
 def products(p, mode):
     """(bf16, tf32) FLOPs of the products of our chunked algorithm (chunk C = 64, per chunk and value head), as the
-    kernels compute them: the in-chunk decay-weighted products by halving are 6 masked [C, C] tf32 products per
-    operand pair (the full tiles, of which a level keeps a part). Left out: the 16 x 16 block inverse (< 1 %) and
-    the elementwise work (gate, L2 norm, decays). The backward is counted without recomputation: dAqk = do dlt^T
-    once (the dq / dk / dw kernel recomputes it per K slice and split launch, a config choice): bench/NOTES.md's
-    backward floor, which counts the products executed, is higher by those recomputations."""
+    kernels compute them: the in-chunk decay-weighted products go by 16-row sub-blocks (the forward: one [16, K] x
+    [K, C] product per sub-block and operand, its columns from the sub-block on zero; the backward: one [16, 16] x
+    [16, K] product per pair of sub-blocks, matrix and side). Left out: the diagonal sub-blocks (elementwise fp32,
+    no tensor cores), the 16 x 16 block inverse (< 1 %) and the elementwise work (gate, L2 norm, decays)."""
     k, v, c = p["K"], p["V"], BT
     chunks = sum((n + c - 1) // c for n in p["lens"]) * p["HV"]
     if mode == "fwd":
         bf16 = (2 * c * c * k + 2 * c * c * v  # w = A X, u = A Y
                 + 4 * c * k * v                # state recurrence: dlt = u - w h, h' += (decayed k)^T dlt
                 + 2 * c * k * v + 2 * c * c * v)  # o = (q exp G) h + Aqk dlt
-        tf32 = 2 * 6 * 2 * c * c * k           # Aqk and L, by halving
+        tf32 = 2 * 2 * c * c * k               # Aqk and L: 4 sub-blocks x 2 operands x 2 (16 C k)
     elif mode == "bwd":
-        bf16 = (2 * c * c * v                  # in-chunk d(dlt) = Aqk^T do
+        bf16 = (4 * c * c * v                  # in-chunk d(dlt) = Aqk^T do, dAqk = do dlt^T
                 + 6 * c * k * v                # reverse state recurrence: dd, dh
-                + 2 * c * c * v + 6 * c * k * v  # dAqk = do dlt^T; dq, dw, dk's state terms
-                + 4 * c * c * v + 4 * c * c * k + 4 * c * c * c)  # WY backward: dY, dA, dX, dL = -A^T dA A^T
-        tf32 = 2 * 2 * 6 * 2 * c * c * k       # dq / dk through Aqk, dk through L (rows and columns), by halving
+                + 6 * c * k * v                # dq, dw, dk's state terms
+                + 4 * c * c * v + 4 * c * c * k + 4 * c * c * c)  # through w, u and A: dY, dA, dX, dL
+        tf32 = 6 * 2 * 2 * 2 * 16 * 16 * k     # 6 sub-block pairs x (dAqk, dL) x (rows, columns) x 2 (16 16 k)
     else:
         return None
     return chunks * bf16, chunks * tf32

@@ -4,11 +4,11 @@
     /path/to/triton-3.6/python bench/kda_sass.py all --against REF [--op gdn|conv1d|rmsnorm|gqa] [--out DIR] [--jobs N]
 
 Every route of `ops.routes()` (K = V = 128; conv1d, rmsnorm: over ROUTE_KWARGS) of the named kernels (default:
-fwd_prep_kernel, bwd_wy_kernel, bwd_dqkw_kernel; `all`: every kernel) is compiled at `configs.CFG` (entries updated from
---cfg, e.g. '{"dqkw": {"BK": 64, "BK_dk": 64}}') the way bench/sass.py compiles the gqa kernels, and ptxas -v is re-run
-on its PTX. Counts are static (both sides of a runtime branch, once). `--against REF` instead writes each route's SASS
-to DIR/tree, compiles the same routes of `miles_ext_kernels` at git REF (exported, in a subprocess) to DIR/ref, and
-reports per route whether the two are the same instruction for instruction with addresses and branch targets masked
+fwd_grams_kernel, bwd_dense_kernel, bwd_intra_kernel; `all`: every kernel) is compiled at `configs.CFG` (entries updated
+from --cfg, e.g. '{"intra": {"BK": 32}}') the way bench/sass.py compiles the gqa kernels, and ptxas -v is re-run on its
+PTX. Counts are static (both sides of a runtime branch, once). `--against REF` instead writes each route's SASS to
+DIR/tree, compiles the same routes of `miles_ext_kernels` at git REF (exported, in a subprocess) to DIR/ref, and reports
+per route whether the two are the same instruction for instruction with addresses and branch targets masked
 (bench/sass.py's `instructions`): a refactor of the kernels' source that should not change the compiled code is checked
 with it. `--op gqa`: gqa's routes, its Triton kernels (kernels.py) as well as the Gluon ones bench/sass.py covers."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 if "--_build" not in sys.argv:  # a --_build subprocess imports the exported package from its PYTHONPATH
     sys.path.insert(0, str(ROOT))
 
-DEFAULT = "fwd_prep_kernel,bwd_wy_kernel,bwd_dqkw_kernel"
+DEFAULT = "fwd_grams_kernel,bwd_dense_kernel,bwd_intra_kernel"
 OPS = ("kda", "gdn", "conv1d", "rmsnorm", "gqa")
 # the routes() arguments an op's routes are enumerated over (gdn / kda: none, K = V = 128)
 ROUTE_KWARGS = {"conv1d": [{"weight_dtype": "float32"}, {"weight_dtype": "bfloat16"}],

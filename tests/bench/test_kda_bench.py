@@ -28,17 +28,17 @@ def test_flops_count_the_chunked_products():
     p = kda.shapes(quick=True)["Kimi-Linear H32 16x2048"]
     chunk_heads = 16 * 2048 // 64 * 32
     c, k, v = 64, 128, 128
-    # per chunk and head: w, u, the state recurrence, o (bf16); the halving levels of Aqk and L (tf32)
+    # per chunk and head: w, u, the state recurrence, o (bf16); Aqk and L by 16-row sub-blocks (tf32)
     assert kda.products(p, "fwd") == (chunk_heads * (2 * c * c * k + 4 * c * c * v + 6 * c * k * v),
-                                      chunk_heads * 24 * c * c * k)
+                                      chunk_heads * 4 * c * c * k)
     bf16, tf32 = kda.products(p, "bwd")
     assert bf16 == chunk_heads * (8 * c * c * v + 4 * c * c * k + 4 * c ** 3 + 12 * c * k * v)
-    assert tf32 == 2 * kda.products(p, "fwd")[1]
-    assert kda.flops(p, "fwd") == pytest.approx(360.8e9, rel=1e-3)  # bench/NOTES.md's floors: 155 + 206 GFLOP
+    assert tf32 == chunk_heads * 3 * c * c * k  # 6 pairs of [16, 16] blocks, 2 matrices, 2 sides
+    assert kda.flops(p, "fwd") == pytest.approx(189.0e9, rel=1e-3)  # 155 bf16 + 34 tf32 GFLOP
     assert kda.flops(p, "full") is None  # the harness adds fwd + bwd
     # a document's partial last chunk counts as a whole chunk; value heads, not key heads, multiply
     q = dict(p, lens=[65], H=1, HV=2)
-    assert kda.products(q, "fwd")[1] == 2 * 2 * 24 * c * c * k
+    assert kda.products(q, "fwd")[1] == 2 * 2 * 4 * c * c * k
 
 
 def test_every_model_in_every_layout():

@@ -86,7 +86,7 @@ EXACT_CASES = [  # (gate, lens, H, HV, K, V, L2, transposed states)
 
 @pytest.mark.parametrize("gate, lens, H, HV, K, V, l2, trans", EXACT_CASES, ids=[c[0] for c in EXACT_CASES])
 def test_math_exact_in_fp32(gate, lens, H, HV, K, V, l2, trans):
-    """The kernels' algebra (gate, chunking, halving products, WY form, state recurrence, every gradient incl. the
+    """The kernels' algebra (gate, chunking, sub-block products, WY form, state recurrence, every gradient incl. the
     gate parameters') with fp32 intermediates matches the FP64 recurrence to fp32 rounding, for every gate mode."""
     inp = demo_mod.make_inputs(lens, H, HV, K, V, "cpu", gate=gate, trans=trans, l2=l2, seed=2)
     errs = _fp32_case(inp, l2)
@@ -95,19 +95,20 @@ def test_math_exact_in_fp32(gate, lens, H, HV, K, V, l2, trans):
     _exact(errs)
 
 
-@pytest.mark.parametrize("split, bk, narrow", [(False, 16, False), (True, 16, True)])
-def test_k_slices_phases_and_narrow_state_tiles(split, bk, narrow, monkeypatch):
-    """The prep's grams, the WY backward and dq / dk / dw in K slices (the latter in one launch, PHASE 0, or two:
-    the dk launch adds its dG to the first's), and the state kernels' narrow tiles (two V blocks) match FP64 in
-    fp32."""
-    monkeypatch.setitem(configs.CFG, "prep", dict(configs.CFG["prep"], BK=bk))
-    monkeypatch.setitem(configs.CFG, "wy", dict(configs.CFG["wy"], BK=bk))
-    monkeypatch.setitem(configs.CFG, "dqkw", dict(configs.CFG["dqkw"], BK=bk, BK_dk=bk, SPLIT=split))
+@pytest.mark.parametrize("bk, narrow", [(16, False), (8, True)])
+def test_k_slices_and_narrow_state_tiles(bk, narrow, monkeypatch):
+    """The gate, the grams, the dense backward, the in-chunk backward and the dg backward in K slices (each slice
+    its own key dimensions; the grams, dbeta, dA and dA_log's terms add up over them), and the state kernels' narrow
+    tiles (two V blocks) match FP64 in fp32."""
+    for name in ("gate", "grams"):
+        monkeypatch.setitem(configs.CFG, name, dict(configs.CFG[name], BK=bk))
+    monkeypatch.setitem(configs.CFG, "dense", dict(configs.CFG["dense"], BK=bk))
+    monkeypatch.setitem(configs.CFG, "intra", dict(configs.CFG["intra"], BK=bk))
+    monkeypatch.setitem(configs.CFG, "dg", dict(configs.CFG["dg"], BK=bk))
     monkeypatch.setitem(configs.CFG, "h_narrow", dict(configs.CFG["h_narrow"], BV=16))
     monkeypatch.setitem(configs.CFG, "dh_narrow", dict(configs.CFG["dh_narrow"], BV=16))
     monkeypatch.setattr(configs, "NARROW_BELOW", 1 << 30 if narrow else 0)
     assert ops._state_cfg(configs.CFG, "h", 32, 2) == (("h_narrow", 16) if narrow else ("h", 32))
-    assert len(ops._dqkw_launches(configs.CFG, 32)) == (2 if split else 1)
     inp = demo_mod.make_inputs([70], 1, 2, 32, 32, "cpu", gate="softplus", seed=3)
     _exact(_fp32_case(inp, True))
 
@@ -217,20 +218,21 @@ def test_check_seqlens_option_checks_on_the_host(monkeypatch):
 
 
 def test_routes_are_the_launchers_launches():
-    """routes() runs the launchers on meta tensors over every flag: 57 distinct specializations at 128 / 128 (the
-    table kernel for int32 and int64 cu_seqlens; prep and WY backward per gate kind and raw-gate dtype; the state
+    """routes() runs the launchers on meta tensors over every flag: 59 distinct specializations at 128 / 128 (the
+    table kernel for int32 and int64 cu_seqlens; gate and the dg backward per gate kind and raw-gate dtype; the state
     kernels with and without initial / final state, in both layouts, wide and narrow; context parallelism's
     final-state-only pass over V + K columns, wide and narrow, and its chain step, both directions), each recorded
     from a real launch site, so none can drift from what a call launches."""
     rs = ops.routes(128, 128)
     labels = [r.label for r in rs]
-    assert len(labels) == len(set(labels)) == 57
+    assert len(labels) == len(set(labels)) == 59
     count = lambda prefix: sum(lab.startswith(prefix) for lab in labels)  # noqa: E731
     assert count("chunk_table_kernel[") == 2
-    assert count("fwd_prep_kernel[") == count("bwd_wy_kernel[") == 5  # none; softplus, sigmoid x fp32, bf16 raw g
+    assert count("fwd_gate_kernel[") == count("bwd_dg_kernel[") == 5  # none; softplus, sigmoid x fp32, bf16 raw g
     assert count("fwd_h_kernel[") == 18 and count("bwd_dh_kernel[") == 16
     assert count("chain_step_kernel[") == 2
-    assert count("gate_sum_kernel[") == 1 and count("bwd_dqkw_kernel[") == 2
+    assert count("gate_sum_kernel[") == count("bwd_dense_kernel[") == count("bwd_intra_kernel[") == 1
+    assert count("fwd_grams_kernel[") == count("fwd_inv_kernel[") == 1
     assert any("TRANS_STATE=True" in lab for lab in labels) and any("GATE=2" in lab for lab in labels)
     with pytest.raises(ValueError, match="head dims"):
         ops.routes(24, 128)
@@ -239,9 +241,9 @@ def test_routes_are_the_launchers_launches():
 def test_register_cap_reaches_the_launch_and_its_route(monkeypatch):
     """A config entry's maxnreg is a launch option of that kernel (and only where an entry has one): the route a
     prebuild compiles carries it, and a call with it runs."""
-    monkeypatch.setitem(configs.CFG, "prep", dict(configs.CFG["prep"], maxnreg=128))
-    assert ops._cfg(configs.CFG, "prep")["maxnreg"] == 128 and "maxnreg" not in ops._cfg(configs.CFG, "wu")
-    preps = [r for r in ops.routes(128, 128) if r.label.startswith("fwd_prep_kernel[")]
+    monkeypatch.setitem(configs.CFG, "grams", dict(configs.CFG["grams"], maxnreg=128))
+    assert ops._cfg(configs.CFG, "grams")["maxnreg"] == 128 and "maxnreg" not in ops._cfg(configs.CFG, "wu")
+    preps = [r for r in ops.routes(128, 128) if r.label.startswith("fwd_grams_kernel[")]
     assert preps and all("maxnreg=128" in r.label for r in preps), [r.label for r in preps]
     inp = demo_mod.make_inputs([70], 1, 2, 32, 32, "cpu", gate="softplus", seed=3)
     _exact(_fp32_case(inp, True))

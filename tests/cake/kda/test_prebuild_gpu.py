@@ -10,7 +10,7 @@ from tests.cake._prebuild import backward_keeping_det_bits, check_prebuild_here_
 
 pytestmark = pytest.mark.gpu
 
-# (gate mode, raw-gate dtype): every specialization of the prep and the WY backward
+# (gate mode, raw-gate dtype): every specialization of the gate kernel and the dg backward
 GATES = [("pre", torch.float32), ("softplus", torch.float32), ("softplus", torch.bfloat16), ("safe", torch.float32),
          ("safe", torch.bfloat16)]
 

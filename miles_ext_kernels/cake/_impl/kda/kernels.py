@@ -11,42 +11,40 @@ Gam_ij = exp(G_i - G_j) per key dimension (j <= i):
     o  = scale (q * exp(G)) h + Aqk dlt
     h' = exp(G_last)[:, None] * h + (k * exp(G_last - G))^T dlt
 
-The launch sequence and tiling are gdn's one to one (prep, w/u, state recurrence, o; in-chunk d(dlt), reverse state
-recurrence, dq / dk / dw, WY backward, per-key-head sums), with the gate a vector per key dimension: gc is
-[T, HV, K], the prep also writes Aqk (a scalar gate lets gdn's o kernel form it from one q k^T product; a vector
-gate does not), dG is a [BT, K] tile, and the gate preprocessing (in-kernel gate, its backward to the raw g, A_log
-and dt_bias) rides on the prep and WY kernels; a last launch sums the per-chunk dA_log / ddt_bias partials in a
-fixed order. `_dot`, `_rnd`, the 16 x 16 inverse, the L2 norm and the per-key-head sum are the shared core's
+The launch sequence follows gdn's where the gate is a scalar's (w/u, state recurrence, o; in-chunk d(dlt), reverse
+state recurrence, per-key-head sums) and fla's sub-block structure where it is a vector (`fla/ops/kda/chunk_intra.py`:
+small programs per 16-row sub-block): forward gate + cumsum (gc [T, HV, K]), grams (Aqk, and L into fp32 scratch),
+block inverse (A); backward in-chunk d(dlt) and dAqk, reverse state recurrence, the dense products (dq, dk's state
+terms, dv, dbeta's v and X terms, dL = -A^T dA A^T), the decay-weighted in-chunk products per sub-block, the reverse
+scan of dG with the gate's backward, the per-key-head sums and a fixed-order sum of the per-chunk dA_log / ddt_bias
+partials. `_dot`, `_rnd`, the 16 x 16 inverse, the L2 norm and the per-key-head sum are the shared core's
 (`_impl/delta_rule/common.py`).
 
 Numerics of the in-chunk decay products. Gam differs per key dimension, so sum_d a_id b_jd Gam_ij,d is no plain
 matmul, and exp(G_i) and exp(-G_j) alone overflow fp32 once a chunk's cumulative decay passes -88.7 (a decay of -3
-per token gets there in 30 tokens). Choice: an exact factorization by halving, the same for off-diagonal and
-diagonal 16 x 16 blocks. Split the chunk's 64 rows into halves, quarters, ... down to single rows (6 levels): every
-pair j < i lies in exactly one pair of sibling blocks (j in the upper, i in the lower sibling), and the lower
-sibling's first row r lies between them, so exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j) with G_j >= G_r >= G_i
-for a decay (g <= 0): both factors are exps of non-positive numbers, whatever the decay, so no bound on the gate is
-needed (fla's safe_gate path leans on lower_bound >= -5 to put a reference inside a 16-row block; a pre-gated g
-promises no such bound). A factor that underflows to 0 stands for a true product smaller still. Each level is one
-masked [BT, BT] product (`_gated_grams`, `_gated_pair`); i == j has Gam = 1. The products run at tf32 on rounded fp32
-operands (fla's precision for them; exact fp32 when the run itself is fp32). `safe_gate` therefore changes no
-result here. The prep takes L's 16 x 16 blocks for gdn's block inverse out of the [BT, BT] tile by reshape /
-permute / split and puts A back by join (no memory round trip).
+per token gets there in 30 tokens). Choice: exact factorizations by 16-row sub-blocks. A pair j < i in different
+sub-blocks has a reference row r between them (the later sub-block's first row for the products over rows, the
+earlier sub-block's last row for the products over columns), so exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j) with
+G_j >= G_r >= G_i for a decay (g <= 0): both factors are exps of non-positive numbers, whatever the decay, so no bound
+on the gate is needed (fla's safe_gate path leans on lower_bound >= -5 to put a reference inside a 16-row block; a
+pre-gated g promises no such bound), and each such block is one tf32 product. A factor that underflows to 0 stands
+for a true product smaller still. The diagonal sub-blocks go elementwise in fp32, exp(G_i - G_j) per entry (exact
+for any decay); i == j has Gam = 1. The products run at tf32 on rounded fp32 operands (fla's precision for them;
+exact fp32 when the run itself is fp32). `safe_gate` therefore changes no result here.
 Rows past a document's end read the document's last G (the prep's cumsum of g = 0, and clamped row indices
 elsewhere): no exp over a pair of rows has a positive argument, so 0 * inf never makes a NaN.
 A log decay below G_FLOOR (-128) reads as G_FLOOR, as in gdn (exp(-128) is 0 in fp32; g = -inf gives the exact,
 finite result).
 
-Layouts (rows are tokens of the packed sequence): q, k [T, H, K]; v [T, HV, V]; g (log decay, or the raw gate)
-[T, HV, K]; beta [T, HV] fp32; gc [T, HV, K] fp32; A, Aqk [T, HV, BT]; w [T, HV, K]; u, dlt [T, HV, V]; chunk
-states h [P, HV, K, V] with one slot per chunk (slot = bos[n] // BT + n + chunk index); `table`, `se` from
-`_runtime.varlen.chunk_table` (every kernel reads the clamped `se`, never cu_seqlens). Initial / final states
-[N, HV, K, V], or [N, HV, V, K] with TRANS_STATE (read and written through transposed offsets, no tl.trans).
+Layouts (rows are tokens of the packed sequence): q, k [T, H, K]; v [T, HV, V]; g (log decay, or the raw gate) [T, HV,
+K]; beta [T, HV] fp32; gc [T, HV, K] fp32; A, Aqk [T, HV, BT] (L, dAqk, dL: the same, fp32); w [T, HV, K]; u, dlt [T,
+HV, V]; chunk states h [P, HV, K, V] with one slot per chunk (slot = bos[n] // BT + n + chunk index); `table`, `se` from
+`_runtime.varlen.chunk_table` (every kernel reads the clamped `se`, never cu_seqlens). Initial / final states [N, HV, K,
+V], or [N, HV, V, K] with TRANS_STATE (read and written through transposed offsets, no tl.trans).
 
 No kernel feeds a transposed `tl.dot` result into another `tl.dot` (triton 3.4 - 3.7.0 miscompile that on Hopper):
-transposed operands are loaded transposed or are elementwise products; the one transposed product (the column sums
-of `_gated_pair`, (x^T M)^T) only feeds adds. No atomics: every sum has one fixed order, so the results repeat bit
-for bit.
+transposed operands are loaded transposed or are elementwise products. No atomics: every sum has one fixed order, so the
+results repeat bit for bit.
 
 Interpreter (CPU tests): bf16 arithmetic is broken there, so elementwise math runs on fp32 values, `_dot` converts
 its bf16 operands to fp32, `_rnd` rounds to nearest even, and `_tdot` multiplies the tf32-rounded operands exactly
@@ -126,98 +124,64 @@ def _gate(x, a_log, lower_bound, GATE: tl.constexpr):
     return r
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the in-chunk decay-weighted products, by halving (module docstring)
-@triton.jit
-def _level(o_t, G, gc, gcol, GC_RS, o_k, t0, eos, S: tl.constexpr):
-    """One halving level of a 64-row chunk: (lower, e, pair). lower [BT]: the row is in the lower half of its 2S
-    block; e [BT, BK]: exp(G_i - G_r) for lower rows, exp(G_r - G_j) for upper rows, r the lower half's first row
-    (both arguments <= 0 for a decay); pair [BT, BT]: (i, j) is a lower row and an upper row of one 2S block."""
-    lower = ((o_t // S) % 2) == 1
-    ref = (o_t // (2 * S)) * (2 * S) + S
-    # one 64-bit base per chunk and 32-bit in-chunk offsets: a [BT, BK] tile of 64-bit pointers costs twice the
-    # registers
-    rr = tl.minimum(ref, (eos - 1 - t0).to(tl.int32))
-    gref = tl.load((gc + t0 * GC_RS + gcol) + rr[:, None] * GC_RS + o_k[None, :])
-    e = tl.exp(tl.where(lower[:, None], G - gref, gref - G))
-    pair = (o_t[:, None] // (2 * S) == o_t[None, :] // (2 * S)) & lower[:, None] & (((o_t // S) % 2) == 0)[None, :]
-    return lower, e, pair
-
-
-@triton.jit
-def _gated_grams(q, k, G, gc, gcol, GC_RS, o_k, t0, eos, BT: tl.constexpr, DT: tl.constexpr,
-                 INTERPRET: tl.constexpr):
-    """(sq, sk) [BT, BT]: sq_ij = sum_d q_id k_jd Gam_ij,d (j <= i), sk the same with k_i (j < i)."""
-    tl.static_assert(BT == 64)
-    o_t = tl.arange(0, BT)
-    sq = tl.zeros([BT, BT], dtype=tl.float32)
-    sk = tl.zeros([BT, BT], dtype=tl.float32)
-    for lvl in tl.static_range(6):
-        lower, e, pair = _level(o_t, G, gc, gcol, GC_RS, o_k, t0, eos, 32 >> lvl)
-        ea = tl.where(lower[:, None], e, 0.)
-        kbt = tl.trans(tl.where(lower[:, None], 0., k * e))
-        sq += tl.where(pair, _tdot(q * ea, kbt, DT, INTERPRET), 0.)
-        sk += tl.where(pair, _tdot(k * ea, kbt, DT, INTERPRET), 0.)
-    sq += tl.where(o_t[:, None] == o_t[None, :], tl.sum(q * k, 1)[:, None], 0.)
-    return sq, sk
-
-
-@triton.jit
-def _gated_pair(M, xr, xc, G, gc, gcol, GC_RS, o_k, t0, eos, BT: tl.constexpr, BK: tl.constexpr,
-                INCL: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, DT: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    """The two decay-weighted products of an in-chunk matrix M [BT, BT] (lower triangular: j <= i with INCL, else
-    j < i; entries above are never read), per key dimension d of a BK-wide slice:
-
-        R_i = sum_j M_ij xr_j exp(G_i - G_j)   (ROWS)          C_j = sum_i M_ij xc_i exp(G_i - G_j)   (COLS)
-
-    xr, xc [BT, BK] are the operand tiles; G [BT, BK] the chunk's G (padding rows: the last G); gc (row stride GC_RS,
-    column offset gcol) its rows in memory."""
-    tl.static_assert(BT == 64)
-    o_t = tl.arange(0, BT)
-    R = tl.zeros([BT, BK], dtype=tl.float32)
-    C = tl.zeros([BT, BK], dtype=tl.float32)
-    for lvl in tl.static_range(6):
-        lower, e, pair = _level(o_t, G, gc, gcol, GC_RS, o_k, t0, eos, 32 >> lvl)
-        ms = tl.where(pair, M, 0.)
-        if ROWS:
-            xu = tl.where(lower[:, None], 0., xr * e)
-            R += tl.where(lower[:, None], _tdot(ms, xu, DT, INTERPRET) * e, 0.)
-        if COLS:
-            xl = tl.where(lower[:, None], xc * e, 0.)
-            # (xl^T M)^T: the transposed product feeds only adds, never another matmul
-            C += tl.where(lower[:, None], 0., tl.trans(_tdot(tl.trans(xl), ms, DT, INTERPRET)) * e)
-    if INCL:
-        md = tl.sum(tl.where(o_t[:, None] == o_t[None, :], M, 0.), 1)
-        R += md[:, None] * xr
-        C += md[:, None] * xc
-    return R, C
-
-
-@triton.jit
-def _col4(c):
-    """c [16, 16, 2, 2] (block-row index a = 2 a1 + a0 in the last two axes, (a1, a0)) -> its four [16, 16] blocks."""
-    e0, e1 = tl.split(c)
-    x0, x2 = tl.split(e0)
-    x1, x3 = tl.split(e1)
-    return x0, x1, x2, x3
-
-
 @triton.jit
 def _join4(x0, x1, x2, x3):
-    """The inverse of _col4."""
+    """Four [16, 16] blocks x0..x3 as one [16, 16, 2, 2] tile (block index a = 2 a1 + a0 in the last two axes,
+    (a1, a0))."""
     return tl.join(tl.join(x0, x2), tl.join(x1, x3))
+
+
+@triton.jit
+def _mblk(M, nr, r0, c0, BT: tl.constexpr, RS, TRANS: tl.constexpr):
+    """The [16, 16] block of a chunk's in-chunk matrix (M: its row 0, row stride RS) at rows r0, columns c0 (TRANS:
+    its transpose, loaded transposed); rows at or past nr (the document's end) read 0."""
+    o = tl.arange(0, 16)
+    r = r0 + o
+    if TRANS:
+        x = tl.load(M + r[None, :] * RS + c0 + o[:, None], mask=(r < nr)[None, :], other=0.)
+    else:
+        x = tl.load(M + r[:, None] * RS + c0 + o[None, :], mask=(r < nr)[:, None], other=0.)
+    return x
+
+
+@triton.jit
+def _rows16(x, nr, r0, RS, o_k, CLAMP: tl.constexpr):
+    """Rows [r0, r0 + 16) of a chunk (x: its row 0, row stride RS) in the key slice o_k, fp32: 0 at or past nr (the
+    document's end), or with CLAMP (the cumulative gate) the document's last row."""
+    r = r0 + tl.arange(0, 16)
+    if CLAMP:
+        b = tl.load(x + tl.minimum(r, nr - 1)[:, None] * RS + o_k[None, :])
+    else:
+        b = tl.load(x + r[:, None] * RS + o_k[None, :], mask=(r < nr)[:, None], other=0.)
+    return b.to(tl.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # forward
+@triton.jit
+def _bad(a, b, c, d):
+    """[16]: the rows of a [16, 64] strip of four [16, 16] blocks that hold a NaN or an inf."""
+    return (tl.sum(a * 0., 1) + tl.sum(b * 0., 1) + tl.sum(c * 0., 1) + tl.sum(d * 0., 1)) != 0.
+
+
+@triton.jit
+def _store_strip(out, t0, eos, r0: tl.constexpr, hv, HV, b0, b1, b2, b3, first, BT: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """Rows [r0, r0 + 16) of a chunk's [BT, BT] matrix ([T, HV, BT] layout) from its four [16, 16] blocks (block
+    column J = bJ), the rows from `first` on NaN (`_nan_rows`)."""
+    o = tl.arange(0, 16)
+    rows = t0 + r0 + o
+    strip = tl.reshape(tl.permute(_join4(b0, b1, b2, b3), (0, 2, 3, 1)), [16, BT])
+    if first < BT:
+        strip = _nan_rows(strip, first, r0)
+    tl.store(out + rows[:, None] * (HV * BT) + hv * BT + tl.arange(0, BT)[None, :],
+             _rnd(strip, out.dtype.element_ty, INTERPRET), mask=(rows < eos)[:, None])
+
+
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_prep_kernel(q, k, g, A_log, dt_bias, beta, se, table, gc, A, Aqk, scale, lower_bound, H, HV, K: tl.constexpr,
-                    BT: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, INTERPRET: tl.constexpr):
-    """Per chunk: the gate (GATE), gc = in-chunk cumsum of the log decay; Aqk; A = (I + L)^-1 from L's 16 x 16
-    blocks (gdn's block inverse), taken out of the [BT, BT] tile by reshape / permute / split (no memory round trip)
-    and put back by join. The key dimensions go in BK-wide slices (the cumsum is per column, the grams add up over
-    the slices in one order): one slice's [BT, BK] tiles are live at a time, not the whole [BT, K] set."""
+def fwd_gate_kernel(g, A_log, dt_bias, se, table, gc, lower_bound, H, HV, K: tl.constexpr, BT: tl.constexpr,
+                    BK: tl.constexpr, GATE: tl.constexpr):
+    """Per chunk: the gate (GATE) and gc = the in-chunk cumsum of the log decay, in BK-wide key slices."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.load(table + 2 * p)
@@ -226,47 +190,129 @@ def fwd_prep_kernel(q, k, g, A_log, dt_bias, beta, se, table, gc, A, Aqk, scale,
     ic = tl.load(table + 2 * p + 1).to(tl.int64)
     bos = tl.load(se + 2 * n).to(tl.int64)
     eos = tl.load(se + 2 * n + 1).to(tl.int64)
-    hk = hv // (HV // H)
-    DT = k.dtype.element_ty
     o_t = tl.arange(0, BT)
-    t0 = bos + ic * BT
-    rows = t0 + o_t
+    rows = bos + ic * BT + o_t
     m = rows < eos
-    sq = tl.zeros([BT, BT], dtype=tl.float32)
-    sk = tl.zeros([BT, BT], dtype=tl.float32)
     for ks in range(0, K // BK):
         o_k = ks * BK + tl.arange(0, BK)
-        qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
         g_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-        b_q = tl.load(q + qk_off, mask=m[:, None], other=0.).to(tl.float32)
-        b_k = tl.load(k + qk_off, mask=m[:, None], other=0.).to(tl.float32)
         b_g = tl.load(g + g_off, mask=m[:, None], other=0.).to(tl.float32)
         if GATE != 0:
             a_log, bias = _gate_params(A_log, dt_bias, hv, o_k, K, GATE)
             b_g = _gate(b_g + bias[None, :], a_log, lower_bound, GATE)
-        # padding rows (g = 0) carry the chunk's last G: no exp below sees a positive difference
         b_g = tl.where(m[:, None], tl.where(b_g < G_FLOOR, G_FLOOR, b_g), 0.)
-        b_gc = tl.cumsum(b_g, axis=0)
-        tl.store(gc + g_off, b_gc, mask=m[:, None])
-        tl.debug_barrier()  # the halving levels read their reference rows of gc back
-        s_q, s_k = _gated_grams(b_q, b_k, b_gc, gc, hv * K, HV * K, o_k, t0, eos, BT, DT, INTERPRET)
-        sq += s_q
-        sk += s_k
-    b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
-    a_off = rows[:, None] * (HV * BT) + hv * BT + o_t[None, :]
+        tl.store(gc + g_off, tl.cumsum(b_g, axis=0), mask=m[:, None])
+
+
+@triton.jit(do_not_specialize=["H", "HV"])
+def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per chunk and 16-row sub-block i: its rows of Aqk (stored) and of L (fp32, into Ls for fwd_inv_kernel), by
+    sub-blocks (module docstring): the earlier rows in one product, (q_i, k_i * exp(G_i - G_r)) times
+    (k_j exp(G_r - G_j))^T over every row j before the sub-block's first row r (both factors <= 1); the diagonal
+    sub-block elementwise, one column at a time (exact for any decay). The key dimensions go in BK-wide slices."""
+    pid = tl.program_id(0)
+    hv = tl.program_id(1)
+    i = pid % 4
+    p = pid // 4
+    n = tl.load(table + 2 * p)
+    if n < 0:
+        return
+    ic = tl.load(table + 2 * p + 1).to(tl.int64)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    t0 = bos + ic * BT
+    nr = tl.minimum(eos - t0, BT).to(tl.int32)
+    r0 = i * 16
+    if r0 >= nr:
+        return
+    hk = hv // (HV // H)
+    DT = k.dtype.element_ty
+    o = tl.arange(0, 16)
+    o_t = tl.arange(0, BT)
+    qb = q + t0 * (H * K) + hk * K
+    kb = k + t0 * (H * K) + hk * K
+    gcb = gc + t0 * (HV * K) + hv * K
+    r = r0 + o
+    m = r < nr
+    before = (o_t < r0)[:, None]
+    sq = tl.zeros([16, BT], dtype=tl.float32)
+    sk = tl.zeros([16, BT], dtype=tl.float32)
+    for ks in range(0, K // BK):
+        o_k = ks * BK + tl.arange(0, BK)
+        b_q = _rows16(qb, nr, r0, H * K, o_k, False)
+        b_k = _rows16(kb, nr, r0, H * K, o_k, False)
+        b_g = _rows16(gcb, nr, r0, HV * K, o_k, True)
+        gn = tl.load(gcb + r0 * (HV * K) + o_k)
+        e = tl.exp(b_g - gn[None, :])
+        ka = tl.load(kb + o_t[:, None] * (H * K) + o_k[None, :], mask=before, other=0.).to(tl.float32)
+        ga = tl.load(gcb + tl.minimum(o_t, nr - 1)[:, None] * (HV * K) + o_k[None, :])
+        # masked after the product: the rows from r on (exp of a positive difference) never count
+        kgt = tl.trans(tl.where(before, ka * tl.exp(gn[None, :] - ga), 0.))
+        sq += _tdot(b_q * e, kgt, DT, INTERPRET)
+        sk += _tdot(b_k * e, kgt, DT, INTERPRET)
+        for j in range(0, 16):
+            rc = tl.minimum(r0 + j, nr - 1)
+            kj = tl.where(r0 + j < nr, tl.load(kb + rc * (H * K) + o_k).to(tl.float32), 0.)
+            gj = tl.load(gcb + rc * (HV * K) + o_k)
+            # masked after the product: a non-finite k_j must not reach the rows before it
+            kje = tl.where((o >= j)[:, None], tl.exp(b_g - gj[None, :]) * kj[None, :], 0.)
+            sel = (o_t == r0 + j)[None, :]
+            sq = tl.where(sel, sq + tl.sum(b_q * kje, 1)[:, None], sq)
+            sk = tl.where(sel, sk + tl.where(o > j, tl.sum(b_k * kje, 1), 0.)[:, None], sk)
+    b_b = tl.load(beta + (t0 + r) * HV + hv, mask=m, other=0.).to(tl.float32)
+    a_off = (t0 + r)[:, None] * (HV * BT) + hv * BT + o_t[None, :]
     tl.store(Aqk + a_off, _rnd(sq * scale, Aqk.dtype.element_ty, INTERPRET), mask=m[:, None])
+    tl.store(Ls + a_off, sk * b_b[:, None], mask=m[:, None])
+
+
+@triton.jit(do_not_specialize=["HV"])
+def fwd_inv_kernel(Ls, se, table, A, HV, BT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per chunk: A = (I + L)^-1 from L's 16 x 16 blocks (fwd_grams_kernel's Ls; gdn's block inverse)."""
+    p = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.load(table + 2 * p)
+    if n < 0:
+        return
+    ic = tl.load(table + 2 * p + 1).to(tl.int64)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    t0 = bos + ic * BT
+    nr = tl.minimum(eos - t0, BT).to(tl.int32)
+    lb = Ls + t0 * (HV * BT) + hv * BT
+    o = tl.arange(0, 16)
+    strict = o[:, None] > o[None, :]
+    L00 = tl.where(strict, _mblk(lb, nr, 0, 0, BT, HV * BT, False), 0.)
+    L10 = _mblk(lb, nr, 16, 0, BT, HV * BT, False)
+    L11 = tl.where(strict, _mblk(lb, nr, 16, 16, BT, HV * BT, False), 0.)
+    L20 = _mblk(lb, nr, 32, 0, BT, HV * BT, False)
+    L21 = _mblk(lb, nr, 32, 16, BT, HV * BT, False)
+    L22 = tl.where(strict, _mblk(lb, nr, 32, 32, BT, HV * BT, False), 0.)
+    L30 = _mblk(lb, nr, 48, 0, BT, HV * BT, False)
+    L31 = _mblk(lb, nr, 48, 16, BT, HV * BT, False)
+    L32 = _mblk(lb, nr, 48, 32, BT, HV * BT, False)
+    L33 = tl.where(strict, _mblk(lb, nr, 48, 48, BT, HV * BT, False), 0.)
+    z = tl.zeros([16, 16], dtype=tl.float32)
     # a non-finite entry of L (row i: tokens <= i) would spread to earlier rows of A through the block products'
     # zeros: A from L's finite rows, and A's rows from L's first non-finite row on are NaN (`_finite_rows`)
-    b_l, f = _finite_rows(sk * b_b[:, None], BT, 0)
-    blk = tl.reshape(tl.permute(tl.reshape(b_l, [4, 16, 4, 16]), (1, 3, 0, 2)), [16, 16, 2, 2, 2, 2])
-    c0, c1 = tl.split(blk)  # the block-column index b = 2 b1 + b0: b0 = 0, 1
-    c00, c10 = tl.split(c0)  # b = 0, 2
-    c01, c11 = tl.split(c1)  # b = 1, 3
-    L00, L10, L20, L30 = _col4(c00)
-    _x01, L11, L21, L31 = _col4(c01)
-    _x02, _x12, L22, L32 = _col4(c10)
-    _x03, _x13, _x23, L33 = _col4(c11)
-
+    f = tl.zeros([], dtype=tl.int32) + BT
+    if tl.sum(tl.sum(L00 + L10 + L11 + L20 + L21 + L22 + L30 + L31 + L32 + L33, 1) * 0., 0) != 0.:
+        x0 = _bad(L00, z, z, z)
+        x1 = _bad(L10, L11, z, z)
+        x2 = _bad(L20, L21, L22, z)
+        x3 = _bad(L30, L31, L32, L33)
+        f = tl.minimum(tl.minimum(tl.min(tl.where(x0, o, 2 ** 30), 0), tl.min(tl.where(x1, o + 16, 2 ** 30), 0)),
+                       tl.minimum(tl.min(tl.where(x2, o + 32, 2 ** 30), 0), tl.min(tl.where(x3, o + 48, 2 ** 30), 0)))
+        L00 = tl.where(x0[:, None], 0., L00)
+        L10 = tl.where(x1[:, None], 0., L10)
+        L11 = tl.where(x1[:, None], 0., L11)
+        L20 = tl.where(x2[:, None], 0., L20)
+        L21 = tl.where(x2[:, None], 0., L21)
+        L22 = tl.where(x2[:, None], 0., L22)
+        L30 = tl.where(x3[:, None], 0., L30)
+        L31 = tl.where(x3[:, None], 0., L31)
+        L32 = tl.where(x3[:, None], 0., L32)
+        L33 = tl.where(x3[:, None], 0., L33)
     A00 = _inv_unit_lower(L00)
     A11 = _inv_unit_lower(L11)
     A22 = _inv_unit_lower(L22)
@@ -277,14 +323,10 @@ def fwd_prep_kernel(q, k, g, A_log, dt_bias, beta, se, table, gc, A, Aqk, scale,
     A20 = -_dot32(A22, _dot32(L20, A00) + _dot32(L21, A10))
     A31 = -_dot32(A33, _dot32(L31, A11) + _dot32(L32, A21))
     A30 = -_dot32(A33, _dot32(L30, A00) + _dot32(L31, A10) + _dot32(L32, A20))
-
-    z = tl.zeros([16, 16], dtype=tl.float32)
-    cols = tl.join(tl.join(_join4(A00, A10, A20, A30), _join4(z, z, A22, A32)),  # block columns 0 and 2
-                   tl.join(_join4(z, A11, A21, A31), _join4(z, z, z, A33)))  # 1 and 3
-    full = tl.reshape(tl.permute(tl.reshape(cols, [16, 16, 4, 4]), (2, 0, 3, 1)), [BT, BT])
-    if f < BT:
-        full = _nan_rows(full, f, 0)
-    tl.store(A + a_off, _rnd(full, A.dtype.element_ty, INTERPRET), mask=m[:, None])
+    _store_strip(A, t0, eos, 0, hv, HV, A00, z, z, z, f, BT, INTERPRET)
+    _store_strip(A, t0, eos, 16, hv, HV, A10, A11, z, z, f, BT, INTERPRET)
+    _store_strip(A, t0, eos, 32, hv, HV, A20, A21, A22, z, f, BT, INTERPRET)
+    _store_strip(A, t0, eos, 48, hv, HV, A30, A31, A32, A33, f, BT, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
@@ -395,8 +437,10 @@ def fwd_o_kernel(q, gc, Aqk, vn, h, se, table, o, scale, H, HV, K: tl.constexpr,
 # ----------------------------------------------------------------------------------------------------------------
 # backward
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dvl_kernel(Aqk, do, se, table, dvl, H, HV, V: tl.constexpr, BT: tl.constexpr, INTERPRET: tl.constexpr):
-    """The in-chunk part of d(dlt): Aqk^T do (Aqk loaded transposed)."""
+def bwd_dvl_kernel(Aqk, do, vn, se, table, dvl, dAqk, scale, H, HV, V: tl.constexpr, BT: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """The in-chunk part of d(dlt): Aqk^T do (Aqk loaded transposed); dAqk = scale do dlt^T (j <= i, zeros above;
+    fp32), the in-chunk matrix of the decay-weighted products that bwd_intra_kernel takes back through."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.load(table + 2 * p)
@@ -414,6 +458,9 @@ def bwd_dvl_kernel(Aqk, do, se, table, dvl, H, HV, V: tl.constexpr, BT: tl.const
     b_dv = _dot(b_at, b_do, INTERPRET)
     tl.store(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], _rnd(b_dv, dvl.dtype.element_ty, INTERPRET),
              mask=m[:, None])
+    b_vnt = tl.load(vn + rows[None, :] * (HV * V) + hv * V + o_v[:, None], mask=m[None, :], other=0.)  # dlt^T
+    b_m = tl.where(o_t[:, None] >= o_t[None, :], _dot(b_do, b_vnt, INTERPRET) * scale, 0.)
+    tl.store(dAqk + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], b_m, mask=m[:, None])
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
@@ -456,23 +503,21 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: 
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, dgx, scale, H, HV, K: tl.constexpr,
-                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PHASE: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """Per chunk and BK-wide slice of K: dq, dk (through o, Aqk and the state update), dw = -dd h^T and the slice's
-    part of dG (per value head and key dimension). PHASE 0 does all; PHASE 1 only dq, dw; PHASE 2 only dk, adding
-    its dG to what PHASE 1 wrote (two launches, fewer live tiles each; each launch may use its own BK). dgx gets the
-    state term of dg itself (not of dG), added by the WY backward after its reverse scan.
+def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, dks, dgs, dgx, dv, dbs, dL, scale, H,
+                     HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """Per chunk, every backward product that is a plain matmul: through o's state term (dq), the state update
+    (dk's state term, the chunk-end decay), w = A X and u = A Y (dX, dY: dk, dbeta, dv, dA), and dL = -A^T dA A^T
+    (strictly lower, fp32) for bwd_intra_kernel, which adds the decay-weighted in-chunk products and finishes dq,
+    dk, dbeta and dg. Writes dqs, dks (the partial dq, dk), dbs (dbeta's partial, fp32), dgs (this kernel's part of
+    dG, fp32), dgx (the state term of dg, below), dv. The key dimensions go in BK-wide slices; dA adds dw X^T over
+    them in one order.
 
-    dg without cancellation (as gdn's bwd_dqkw_kernel): each row's own (i = j) o term would appear in q * dq and in
-    k * dk, and the state term of dk (k_i * dks_i, of size exp(G_last - G_i)) at row i and summed on the last row;
-    their rounding residue would be all of a strongly decayed dg. So dq / dk take the diagonal as an elementwise term
-    outside dG, and the state term goes to dg directly as its exclusive prefix sum over rows: dgx gets the term per
-    row, the WY backward sums the rows before each (a scan of the row-shifted terms: no difference of large sums)."""
-    pid = tl.program_id(0)
+    dg without cancellation (as gdn's): the state term of dk, k_i * dks_i of size exp(G_last - G_i), would appear at
+    row i and summed on the last row of dG; it goes to dg directly as its exclusive prefix sum over rows (dgx: the
+    term per row; bwd_dg_kernel reads it back shifted by one row)."""
+    p = tl.program_id(0)
     hv = tl.program_id(1)
-    p = pid // (K // BK)
-    ik = pid % (K // BK)
     n = tl.load(table + 2 * p)
     if n < 0:
         return
@@ -482,76 +527,188 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, dg
     hk = hv // (HV // H)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
-    o_k = ik * BK + tl.arange(0, BK)
     o_v = tl.arange(0, V)
     t0 = bos + ic * BT
     rows = t0 + o_t
     m = rows < eos
-    qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
     v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
-    vt_off = rows[None, :] * (HV * V) + hv * V + o_v[:, None]
-    st_t = (p.to(tl.int64) * HV + hv) * (K * V) + o_k[None, :] * V + o_v[:, None]  # [V, BK] view of a state
-    out_k = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-    b_g = tl.load(gc + tl.minimum(rows, eos - 1)[:, None] * (HV * K) + hv * K + o_k[None, :])
-    b_q = tl.load(q + qk_off, mask=m[:, None], other=0.).to(tl.float32)
-    b_k = tl.load(k + qk_off, mask=m[:, None], other=0.).to(tl.float32)
+    b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
+    # A^T is loaded transposed: no transposed matmul result feeds a product (triton 3.6 Hopper)
+    b_at = tl.load(A + rows[None, :] * (HV * BT) + hv * BT + o_t[:, None], mask=m[None, :], other=0.)
     b_do = tl.load(do + v_off, mask=m[:, None], other=0.)
-    # dAqk = do dlt^T (Aqk holds the scale): the in-chunk matrix of both decay-weighted products
-    b_m = _dot(b_do, tl.load(vn + vt_off, mask=m[None, :], other=0.), INTERPRET) * scale
-    md = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_m, 0.), 1)  # the diagonal (Gam_ii = 1)
-    b_dg = tl.zeros([BT, BK], dtype=tl.float32)
-    if PHASE != 2:
-        b_ht = tl.load(h + st_t)
-        b_dq = _dot(b_do, b_ht, INTERPRET) * (tl.exp(b_g) * scale)
-        b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
-        b_dw = -_dot(b_dd, b_ht, INTERPRET)
-        tl.store(dw + out_k, _rnd(b_dw, dw.dtype.element_ty, INTERPRET), mask=m[:, None])
-        r_q, _c = _gated_pair(b_m, b_k, b_q, b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, False, True, False, DT,
-                              INTERPRET)
-        b_dq += r_q
-        b_dg += b_dq * b_q
-        b_dq += md[:, None] * b_k
-        tl.store(dq + out_k, _rnd(b_dq, dq.dtype.element_ty, INTERPRET), mask=m[:, None])
-    if PHASE != 1:
-        _r, c_k = _gated_pair(b_m, b_k, b_q, b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, False, False, True, DT,
-                              INTERPRET)
-        last = tl.minimum(t0 + BT, eos) - 1
+    b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
+    b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
+    last = tl.minimum(t0 + BT, eos) - 1
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_da = tl.zeros([BT, BT], dtype=tl.float32)
+    for ks in range(0, K // BK):
+        o_k = ks * BK + tl.arange(0, BK)
+        k_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
+        qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
+        st_t = (p.to(tl.int64) * HV + hv) * (K * V) + o_k[None, :] * V + o_v[:, None]  # [V, BK] view of a state
+        b_g = tl.load(gc + tl.minimum(rows, eos - 1)[:, None] * (HV * K) + hv * K + o_k[None, :])
+        eg = tl.exp(b_g)
         g_last = tl.load(gc + last * (HV * K) + hv * K + o_k)
         fac = tl.where(m[:, None], tl.exp(g_last[None, :] - b_g), 0.)
+        b_q = tl.load(q + qk_off, mask=m[:, None], other=0.).to(tl.float32)
+        b_k = tl.load(k + qk_off, mask=m[:, None], other=0.).to(tl.float32)
+        b_ht = tl.load(h + st_t)
         b_dhet = tl.load(dhe + st_t)
-        b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
-        b_dks = _dot(b_vn, b_dhet, INTERPRET) * fac
-        b_dg -= c_k * b_k
-        b_dk = c_k + md[:, None] * b_q + b_dks
-        tl.store(dk + out_k, _rnd(b_dk, dk.dtype.element_ty, INTERPRET), mask=m[:, None])
-        tl.store(dgx + out_k, b_dks * b_k, mask=m[:, None])
+        b_dq = _dot(b_do, b_ht, INTERPRET) * (eg * scale)
+        b_dk = _dot(b_vn, b_dhet, INTERPRET) * fac
+        tl.store(dgx + k_off, b_dk * b_k, mask=m[:, None])
+        b_dw = _rnd(-_dot(b_dd, b_ht, INTERPRET), DT, INTERPRET)
+        bx = b_b[:, None] * eg
+        b_x = _rnd(b_k * bx, DT, INTERPRET)
+        b_da += _dot(b_dw, tl.trans(b_x), INTERPRET)  # dA [i, j], the k term
+        b_dx = _dot(b_at, b_dw, INTERPRET)
+        b_db += tl.sum(b_dx * b_k * eg, 1)
+        b_dg = b_q * b_dq + b_dx * b_k * bx
+        b_dk += b_dx * bx
         # the chunk-end decay exp(G_last) of the state: its dG lands on the last row
-        hd = tl.sum(tl.load(h + st_t).to(tl.float32) * b_dhet.to(tl.float32), 0)
+        hd = tl.sum(b_ht.to(tl.float32) * b_dhet.to(tl.float32), 0)
         b_dg += tl.where((o_t == (last - t0))[:, None], (tl.exp(g_last) * hd)[None, :], 0.)
-        if PHASE == 2:
-            b_dg += tl.load(dgp + out_k, mask=m[:, None], other=0.)
-    tl.store(dgp + out_k, b_dg, mask=m[:, None])
+        tl.store(dqs + k_off, _rnd(b_dq, dqs.dtype.element_ty, INTERPRET), mask=m[:, None])
+        tl.store(dks + k_off, _rnd(b_dk, dks.dtype.element_ty, INTERPRET), mask=m[:, None])
+        tl.store(dgs + k_off, b_dg, mask=m[:, None])
+    b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
+    b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
+    b_dy = _dot(b_at, b_dd, INTERPRET)
+    tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])
+    b_db += tl.sum(b_dy * b_v, 1)
+    tl.store(dbs + rows * HV + hv, b_db, mask=m)
+    b_da += _dot(b_dd, tl.trans(b_y), INTERPRET)  # the v term
+    b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)
+    tl.store(dL + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :],
+             tl.where(o_t[:, None] > o_t[None, :], b_dl, 0.), mask=m[:, None])
 
 
-@triton.jit(do_not_specialize=["H", "HV"])
-def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, dko, dgp, dgx, dv, dbeta, dg, part,
-                  lower_bound, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  GATE: tl.constexpr, INTERPRET: tl.constexpr):
-    """Backward through w = A X, u = A Y and A = (I + L)^-1; finishes dk, dv, dbeta and dg (reverse cumsum of dG,
-    then through the in-kernel gate). dko = dk + this kernel's dk (dko may be dk); dgp holds the dq / dk / dw
-    kernel's dG, dgx the state term of dg per row (its exclusive prefix sum is added after the reverse scan). With
-    the gate (GATE): part [P, HV * K + HV]
-    gets this chunk's sums over its rows of ddt_bias (column hv * K + d) and of dA_log's terms (column HV * K + hv);
-    unused slots write zeros, so a fixed-order column sum over the P slots gives the parameters' gradients.
-    The key dimensions go in BK-wide slices, twice: dA sums dw X^T over them; then dL = -A^T dA A^T, and every
-    per-key-dimension result (dk, dg, the gate's backward, ddt_bias) is a slice's own; dbeta and dA_log's terms add
-    up over the slices in one order."""
+@triton.jit(do_not_specialize=["TT", "H", "HV"])
+def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp, dGi, TT, H, HV, K: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per chunk, BK-wide key slice and 16-row sub-block, the decay-weighted in-chunk products of the backward
+    (module docstring), of M = dAqk (Aqk_ij = scale sum_d q_id k_jd Gam_ij,d, j <= i) and M = dL
+    (L_ij = beta_i sum_d k_id k_jd Gam_ij,d, j < i):
+        rows R_i = sum_j M_ij k_j Gam_ij (dq_i; beta_i R_i to dk_i, sum_d k_id R_id to dbeta_i)
+        cols C_j = sum_i M_ij x_i Gam_ij, x = q (dAqk), beta k (dL) (dk_j)
+    Writes dq, dk (per value head: bwd_dense_kernel's partials plus these), this slice's part of dbeta (dbp[slice],
+    [K // BK + 1, T, HV]; TT: the rows of T) and dG = q R^qk + k (beta R^L) - k (C^qk + C^L) (dGi, fp32;
+    bwd_dg_kernel scans it). The diagonal sub-block goes elementwise, one row at a time (a [16, 16, BK] tile at once
+    measured slower: more live registers, fewer programs per SM). The diagonal of dAqk (Gam = 1) goes to dq, dk
+    elementwise and never into dG (its q * dq and k * dk terms cancel exactly)."""
+    NK: tl.constexpr = K // BK
+    pid = tl.program_id(0)
+    hv = tl.program_id(1)
+    i = pid % 4
+    ks = (pid // 4) % NK
+    p = pid // (4 * NK)
+    o_k = ks * BK + tl.arange(0, BK)
+    n = tl.load(table + 2 * p)
+    if n < 0:
+        return
+    ic = tl.load(table + 2 * p + 1).to(tl.int64)
+    bos = tl.load(se + 2 * n).to(tl.int64)
+    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    t0 = bos + ic * BT
+    nr = tl.minimum(eos - t0, BT).to(tl.int32)  # the chunk's rows in the document
+    r0 = i * 16
+    if r0 >= nr:
+        return
+    nb = tl.cdiv(nr, 16)  # sub-blocks holding them
+    hk = hv // (HV // H)
+    DT = k.dtype.element_ty
+    o = tl.arange(0, 16)
+    # one 64-bit base per tensor and 32-bit in-chunk offsets (a tile of 64-bit pointers costs twice the registers)
+    qb = q + t0 * (H * K) + hk * K
+    kb = k + t0 * (H * K) + hk * K
+    gcb = gc + t0 * (HV * K) + hv * K
+    bb = beta + t0 * HV + hv
+    mqb = dAqk + t0 * (HV * BT) + hv * BT
+    mlb = dL + t0 * (HV * BT) + hv * BT
+    r = r0 + o
+    m = r < nr
+    k_off = t0 * (HV * K) + hv * K + r[:, None] * (HV * K) + o_k[None, :]
+    # what the end of the program reads, issued first (its latency overlaps the products)
+    p_dq = tl.load(dqs + k_off, mask=m[:, None], other=0.).to(tl.float32)
+    p_dk = tl.load(dks + k_off, mask=m[:, None], other=0.).to(tl.float32)
+    b_q = _rows16(qb, nr, r0, H * K, o_k, False)
+    b_k = _rows16(kb, nr, r0, H * K, o_k, False)
+    b_g = _rows16(gcb, nr, r0, HV * K, o_k, True)
+    b_b = tl.load(bb + r * HV, mask=m, other=0.).to(tl.float32)
+    mq = _mblk(mqb, nr, r0, r0, BT, HV * BT, False)  # its diagonal goes elementwise
+    gn = tl.load(gcb + r0 * (HV * K) + o_k)  # the earlier sub-blocks' reference: this one's first row
+    gl = tl.load(gcb + tl.minimum(r0 + 15, nr - 1) * (HV * K) + o_k)  # the later ones': its last row
+    rq = tl.zeros([16, BK], dtype=tl.float32)
+    rl = tl.zeros([16, BK], dtype=tl.float32)
+    cq = tl.zeros([16, BK], dtype=tl.float32)
+    cl = tl.zeros([16, BK], dtype=tl.float32)
+    for jb in range(0, i):  # earlier sub-blocks (both factors <= 1)
+        b_kj = _rows16(kb, nr, jb * 16, H * K, o_k, False)
+        b_gj = _rows16(gcb, nr, jb * 16, HV * K, o_k, True)
+        kg = b_kj * tl.exp(gn[None, :] - b_gj)
+        rq += _tdot(_mblk(mqb, nr, r0, jb * 16, BT, HV * BT, False), kg, DT, INTERPRET)
+        rl += _tdot(_mblk(mlb, nr, r0, jb * 16, BT, HV * BT, False), kg, DT, INTERPRET)
+    eq = tl.exp(b_g - gn[None, :])
+    rq *= eq
+    rl *= eq
+    for jb in range(i + 1, nb):  # later sub-blocks
+        b_qj = _rows16(qb, nr, jb * 16, H * K, o_k, False)
+        b_kj = _rows16(kb, nr, jb * 16, H * K, o_k, False)
+        b_gj = _rows16(gcb, nr, jb * 16, HV * K, o_k, True)
+        rj = jb * 16 + o
+        b_bj = tl.load(bb + rj * HV, mask=rj < nr, other=0.).to(tl.float32)
+        ej = tl.exp(b_gj - gl[None, :])
+        cq += _tdot(_mblk(mqb, nr, jb * 16, r0, BT, HV * BT, True), b_qj * ej, DT, INTERPRET)
+        cl += _tdot(_mblk(mlb, nr, jb * 16, r0, BT, HV * BT, True), b_kj * b_bj[:, None] * ej, DT, INTERPRET)
+    ek = tl.exp(gl[None, :] - b_g)
+    cq *= ek
+    cl *= ek
+    # the diagonal sub-block, elementwise (exact for any decay): row j's column of M for the rows, its row for the
+    # columns; e_ij = exp(-|G_i - G_j|) is the factor of the pair on either side of j
+    for j in range(0, 16):
+        rc = tl.minimum(r0 + j, nr - 1)
+        ok = r0 + j < nr
+        qj = tl.where(ok, tl.load(qb + rc * (H * K) + o_k).to(tl.float32), 0.)
+        kj = tl.where(ok, tl.load(kb + rc * (H * K) + o_k).to(tl.float32), 0.)
+        bj = tl.where(ok, tl.load(bb + rc * HV).to(tl.float32), 0.)
+        gj = tl.load(gcb + rc * (HV * K) + o_k)
+        dlt = b_g - gj[None, :]
+        below = (o > j)[:, None]
+        above = (o < j)[:, None]
+        e = tl.exp(tl.where(below, dlt, -dlt))
+        mq_c = tl.load(mqb + r * (HV * BT) + r0 + j, mask=m, other=0.)  # column j
+        ml_c = tl.load(mlb + r * (HV * BT) + r0 + j, mask=m, other=0.)
+        mq_r = tl.where(ok, tl.load(mqb + rc * (HV * BT) + r0 + o), 0.)  # row j
+        ml_r = tl.where(ok, tl.load(mlb + rc * (HV * BT) + r0 + o), 0.)
+        # masked after the products: a non-finite row j must not reach the other side
+        rq += tl.where(below, mq_c[:, None] * kj[None, :] * e, 0.)
+        rl += tl.where(below, ml_c[:, None] * kj[None, :] * e, 0.)
+        cq += tl.where(above, mq_r[:, None] * qj[None, :] * e, 0.)
+        cl += tl.where(above, ml_r[:, None] * (bj * kj)[None, :] * e, 0.)
+    md = tl.sum(tl.where(o[:, None] == o[None, :], mq, 0.), 1)
+    rl_b = rl * b_b[:, None]
+    tl.store(dq + k_off, _rnd(rq + md[:, None] * b_k + p_dq, dq.dtype.element_ty, INTERPRET), mask=m[:, None])
+    tl.store(dk + k_off, _rnd(rl_b + cq + cl + md[:, None] * b_q + p_dk, dk.dtype.element_ty, INTERPRET),
+             mask=m[:, None])
+    tl.store(dbp + ks * (TT * HV) + (t0 + r) * HV + hv, tl.sum(b_k * rl, 1), mask=m)
+    tl.store(dGi + k_off, b_q * rq + b_k * (rl_b - cq - cl), mask=m[:, None])
+
+
+@triton.jit(do_not_specialize=["TT", "H", "HV"])
+def bwd_dg_kernel(g, A_log, dt_bias, dGi, dGd, dgx, dbp, se, table, dbeta, dg, part, lower_bound, TT, H, HV,
+                  K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, GATE: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """Per chunk: dg = the reverse in-chunk scan of dG (bwd_intra_kernel's dGi plus bwd_dense_kernel's dGd) plus the
+    exclusive prefix of the state term dgx, then through the in-kernel gate (GATE): part [P, HV * K + HV] gets this
+    chunk's sums over its rows of ddt_bias (column hv * K + d) and of dA_log's terms (column HV * K + hv); unused
+    slots write zeros, so a fixed-order column sum over the P slots gives the parameters' gradients. dbeta = the sum
+    of its NB partials (dbp [NB, T, HV]) in slot order. The key dimensions go in BK-wide slices."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.load(table + 2 * p)
+    prow = p.to(tl.int64) * (HV * K + HV)
     if n < 0:
         if GATE != 0:
-            prow = p.to(tl.int64) * (HV * K + HV)
             o_kz = tl.arange(0, K)
             tl.store(part + prow + hv * K + o_kz, tl.zeros([K], dtype=tl.float32))
             tl.store(part + prow + HV * K + hv, 0.)
@@ -559,69 +716,22 @@ def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, d
     ic = tl.load(table + 2 * p + 1).to(tl.int64)
     bos = tl.load(se + 2 * n).to(tl.int64)
     eos = tl.load(se + 2 * n + 1).to(tl.int64)
-    hk = hv // (HV // H)
-    DT = k.dtype.element_ty
     o_t = tl.arange(0, BT)
-    o_v = tl.arange(0, V)
-    t0 = bos + ic * BT
-    rows = t0 + o_t
+    rows = bos + ic * BT + o_t
     m = rows < eos
-    v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
-
-    b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
-    # A^T, Y^T, X^T are transposes of loaded or elementwise (not matmul-produced) tiles: safe on triton 3.6 Hopper
-    b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
-    b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
-    b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
-    b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
-    b_dy = _dot(b_at, b_dd, INTERPRET)
-    tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])
-    b_db = tl.sum(b_dy * b_v, 1)
-    b_da = _dot(b_dd, tl.trans(b_y), INTERPRET)  # dA [i, j], v term
-    for ks in range(0, K // BK):  # + the k term, dw X^T
-        o_k = ks * BK + tl.arange(0, BK)
-        w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-        b_g = tl.load(gc + tl.minimum(rows, eos - 1)[:, None] * (HV * K) + hv * K + o_k[None, :])
-        b_kf = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
-        b_x = _rnd((b_kf * (b_b[:, None] * tl.exp(b_g))), DT, INTERPRET)
-        b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
-        b_da += _dot(b_dw, tl.trans(b_x), INTERPRET)
-    b_dl = -_dot(_rnd(_dot(b_at, _rnd(b_da, DT, INTERPRET), INTERPRET), DT, INTERPRET), b_at, INTERPRET)
     ta_sum = 0.
     for ks in range(0, K // BK):
         o_k = ks * BK + tl.arange(0, BK)
-        w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-        b_g = tl.load(gc + tl.minimum(rows, eos - 1)[:, None] * (HV * K) + hv * K + o_k[None, :])
-        eg = tl.exp(b_g)
-        bx = b_b[:, None] * eg
-        b_kf = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
-        b_dw = tl.load(dw + w_off, mask=m[:, None], other=0.)
-        # L_ij = beta_i sum_d k_id k_jd Gam_ij,d: R0_i = sum_j dL_ij k_j Gam (for dk_i, dbeta_i),
-        # C_j = sum_i dL_ij beta_i k_i Gam (for dk_j)
-        r0, c = _gated_pair(b_dl, b_kf, b_kf * b_b[:, None], b_g, gc, hv * K, HV * K, o_k, t0, eos, BT, BK, False,
-                            True, True, DT, INTERPRET)
-        b_db += tl.sum(b_kf * r0, 1)
-        r0 = r0 * b_b[:, None]
-        b_dk = r0 + c
-        b_dg = b_kf * (r0 - c)
-        b_dx = _dot(b_at, b_dw, INTERPRET)
-        b_db += tl.sum(b_dx * b_kf * eg, 1)
-        b_dg += b_dx * b_kf * bx
-        b_dk += b_dx * bx
-
-        b_dk += tl.load(dk + w_off, mask=m[:, None], other=0.).to(tl.float32)
-        tl.store(dko + w_off, _rnd(b_dk, dko.dtype.element_ty, INTERPRET), mask=m[:, None])
-        b_dg += tl.load(dgp + w_off, mask=m[:, None], other=0.)
-        b_dg = tl.where(m[:, None], b_dg, 0.)
-        # d of each token's log decay: a reverse scan (total - cumsum + x would leave every token an error of eps
-        # times the chunk's total, one error shared by all of them, which the sums over tokens of ddt_bias / dA_log
-        # add up)
-        b_dg = tl.cumsum(b_dg, axis=0, reverse=True)
+        k_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
+        b_dG = tl.load(dGi + k_off, mask=m[:, None], other=0.) + tl.load(dGd + k_off, mask=m[:, None], other=0.)
+        # a reverse scan (not total - cumsum + x: that leaves every token an error of eps times the chunk's total,
+        # one error shared by all of them, which the sums over tokens of ddt_bias / dA_log add up)
+        b_dg = tl.cumsum(b_dG, axis=0, reverse=True)
         # + the state term's exclusive prefix sum: row t adds dgx's rows < t (the scan of the rows shifted by one)
-        b_dg += tl.cumsum(tl.load(dgx + w_off - HV * K, mask=(m & (o_t > 0))[:, None], other=0.), axis=0)
+        b_dg += tl.cumsum(tl.load(dgx + k_off - HV * K, mask=(m & (o_t > 0))[:, None], other=0.), axis=0)
         if GATE != 0:
             a_log, bias = _gate_params(A_log, dt_bias, hv, o_k, K, GATE)
-            x = tl.load(g + w_off, mask=m[:, None], other=0.).to(tl.float32) + bias[None, :]
+            x = tl.load(g + k_off, mask=m[:, None], other=0.).to(tl.float32) + bias[None, :]
             ea = tl.exp(a_log)
             if GATE == 1:
                 ta = b_dg * (-ea * _softplus(x))  # d g_eff / d A_log = g_eff
@@ -631,13 +741,15 @@ def bwd_wy_kernel(k, v, beta, g, A_log, dt_bias, gc, A, dw, dd, se, table, dk, d
                 b_dg = b_dg * (lower_bound * s * (1. - s) * ea)
                 ta = b_dg * x
             b_dg = tl.where(m[:, None], b_dg, 0.)
-            prow = p.to(tl.int64) * (HV * K + HV)
             tl.store(part + prow + hv * K + o_k, tl.sum(b_dg, 0))
             ta_sum += tl.sum(tl.sum(tl.where(m[:, None], ta, 0.), 1), 0)
-        tl.store(dg + w_off, _rnd(b_dg, dg.dtype.element_ty, INTERPRET), mask=m[:, None])
+        tl.store(dg + k_off, _rnd(b_dg, dg.dtype.element_ty, INTERPRET), mask=m[:, None])
     if GATE != 0:
-        tl.store(part + p.to(tl.int64) * (HV * K + HV) + HV * K + hv, ta_sum)
-    tl.store(dbeta + rows * HV + hv, b_db, mask=m)
+        tl.store(part + prow + HV * K + hv, ta_sum)
+    db = tl.zeros([BT], dtype=tl.float32)
+    for s in range(0, NB):
+        db += tl.load(dbp + s * (TT * HV) + rows * HV + hv, mask=m, other=0.)
+    tl.store(dbeta + rows * HV + hv, db, mask=m)
 
 
 @triton.jit(do_not_specialize=["P", "N1", "N2"])

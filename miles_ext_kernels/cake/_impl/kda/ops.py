@@ -43,13 +43,6 @@ _cfg, _state_cfg, _dqkw_cfg, _rows_cfg, _ws, _c = host.bind(OP, configs)
 _pdt, _kdt = core.partial_dtype, core.dk_dtype
 
 
-def _dqkw_launches(tab: dict, K: int) -> list:
-    """(phase, BK) of each dq / dk / dw launch. Phases: (0,) one launch of all three; (1, 2) a dq, dw launch and a dk
-    launch (fewer live tiles each, each with its own BK)."""
-    c = tab["dqkw"]
-    return [(phase, min(K, c["BK_dk" if phase == 2 else "BK"])) for phase in ((1, 2) if c["SPLIT"] else (0,))]
-
-
 def gate_kind(use_gate_in_kernel: bool, lower_bound) -> int:
     """kernels.GATE_*: the log decay as given, the softplus gate, or the lower-bound (sigmoid) gate."""
     if not use_gate_in_kernel:
@@ -138,9 +131,15 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     gc = torch.empty(Tt, HV, K, dtype=torch.float32, device=device)
     A = torch.empty(Tt, HV, BT, dtype=dt, device=device)
     Aqk = torch.empty(Tt, HV, BT, dtype=dt, device=device)
-    launch(kn.fwd_prep_kernel, (P, HV), q=qn, k=kk, g=gd, A_log=al, dt_bias=db, beta=bf, se=se, table=table, gc=gc,
-           A=A, Aqk=Aqk, scale=float(scale), lower_bound=float(lower_bound), H=H, HV=HV, K=K, BT=BT,
-           BK=min(K, tab["prep"]["BK"]), GATE=gate, INTERPRET=INTERPRET, **_cfg(tab, "prep"))
+    launch(kn.fwd_gate_kernel, (P, HV), g=gd, A_log=al, dt_bias=db, se=se, table=table, gc=gc,
+           lower_bound=float(lower_bound), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["gate"]["BK"]), GATE=gate,
+           **_cfg(tab, "gate"))
+    Ls = _ws("Ls", (Tt, HV, BT), torch.float32, device)
+    launch(kn.fwd_grams_kernel, (P * 4, HV), q=qn, k=kk, gc=gc, beta=bf, se=se, table=table, Aqk=Aqk, Ls=Ls,
+           scale=float(scale), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["grams"]["BK"]), INTERPRET=INTERPRET,
+           **_cfg(tab, "grams"))
+    launch(kn.fwd_inv_kernel, (P, HV), Ls=Ls, se=se, table=table, A=A, HV=HV, BT=BT, INTERPRET=INTERPRET,
+           **_cfg(tab, "inv"))
     w = torch.empty(Tt, HV, K, dtype=dt, device=device)
     # under CP, u outlives the exchange (other ranks' stages may run in between): no scratch
     u = _ws("u", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
@@ -218,8 +217,9 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
         dht = None
     grid = (P, HV)
     dvl = _ws("dvl", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
-    launch(kn.bwd_dvl_kernel, grid, Aqk=Aqk, do=do, se=se, table=table, dvl=dvl, H=H, HV=HV, V=V, BT=BT,
-           INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
+    dAqk = _ws("dAqk", (Tt, HV, BT), torch.float32, device)
+    launch(kn.bwd_dvl_kernel, grid, Aqk=Aqk, do=do, vn=vn, se=se, table=table, dvl=dvl, dAqk=dAqk,
+           scale=float(scale), H=H, HV=HV, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
 
     def run_dh(se_x, dht_x, dh0_shape):
         n = se_x.shape[0]
@@ -239,26 +239,30 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     want_dh0 = initial_state is not None and cp is None
     dhe, dd, dh0 = run_dh(se, _c(dht.to(torch.float32), "dht") if dht is not None else None,
                           initial_state.shape if want_dh0 else None)
-    pdt = _pdt(tab, dt)
-    dqv = _ws("dqv", (Tt, HV, K), pdt, device)
-    kdt = _kdt(tab, dt)  # dk of dqkw, read back by the WY backward
-    dkv = _ws("dkv", (Tt, HV, K), kdt, device)
-    dw = _ws("dw", (Tt, HV, K), dt, device)
-    dgp = _ws("dgp", (Tt, HV, K), torch.float32, device)
+    pdt, kdt = _pdt(tab, dt), _kdt(tab, dt)
+    dqs = _ws("dqs", (Tt, HV, K), torch.float32, device)
+    dks = _ws("dks", (Tt, HV, K), kdt, device)
+    dgs = _ws("dgs", (Tt, HV, K), torch.float32, device)
     dgx = _ws("dgx", (Tt, HV, K), torch.float32, device)
-    for phase, BK in _dqkw_launches(tab, K):
-        launch(kn.bwd_dqkw_kernel, (P * (K // BK), HV), q=qn, k=kk, vn=vn, do=do, dd=dd, gc=gc, h=h, dhe=dhe, se=se,
-               table=table, dq=dqv, dk=dkv, dw=dw, dgp=dgp, dgx=dgx, scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT,
-               BK=BK, PHASE=phase, INTERPRET=INTERPRET, **_dqkw_cfg(tab, phase))
-    dkf = dkv if pdt == kdt else _ws("dkf", (Tt, HV, K), pdt, device)
+    NK = K // min(K, tab["intra"]["BK"])
+    dbp = _ws("dbp", (NK + 1, Tt, HV), torch.float32, device)  # dbeta's partials: per key slice, then the dense
+    dL = _ws("dL", (Tt, HV, BT), torch.float32, device)
     dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=device)
+    launch(kn.bwd_dense_kernel, grid, q=qn, k=kk, v=v, vn=vn, beta=bf, do=do, dd=dd, gc=gc, A=A, h=h, dhe=dhe, se=se,
+           table=table, dqs=dqs, dks=dks, dgs=dgs, dgx=dgx, dv=dv, dbs=dbp[NK], dL=dL, scale=float(scale), H=H, HV=HV,
+           K=K, V=V, BT=BT, BK=min(K, tab["dense"]["BK"]), INTERPRET=INTERPRET, **_cfg(tab, "dense"))
+    dqv = _ws("dqv", (Tt, HV, K), pdt, device)
+    dkf = _ws("dkf", (Tt, HV, K), pdt, device)
+    dGi = _ws("dGi", (Tt, HV, K), torch.float32, device)
+    launch(kn.bwd_intra_kernel, (P * 4 * NK, HV), q=qn, k=kk, beta=bf, gc=gc, dAqk=dAqk, dL=dL, se=se, table=table,
+           dqs=dqs, dks=dks, dq=dqv, dk=dkf, dbp=dbp, dGi=dGi, TT=Tt, H=H, HV=HV, K=K, BT=BT,
+           BK=min(K, tab["intra"]["BK"]), INTERPRET=INTERPRET, **_cfg(tab, "intra"))
     dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     dg = torch.empty(B, T, HV, K, dtype=g.dtype, device=device)
     part = _ws("gate_part", (P, HV * K + HV), torch.float32, device) if gate else dbf
-    launch(kn.bwd_wy_kernel, grid, k=kk, v=v, beta=bf, g=gd, A_log=al, dt_bias=db, gc=gc, A=A, dw=dw, dd=dd, se=se,
-           table=table, dk=dkv, dko=dkf, dgp=dgp, dgx=dgx, dv=dv, dbeta=dbf, dg=dg, part=part,
-           lower_bound=float(lower_bound), H=H, HV=HV, K=K, V=V, BT=BT, BK=min(K, tab["wy"]["BK"]), GATE=gate,
-           INTERPRET=INTERPRET, **_cfg(tab, "wy"))
+    launch(kn.bwd_dg_kernel, grid, g=gd, A_log=al, dt_bias=db, dGi=dGi, dGd=dgs, dgx=dgx, dbp=dbp, se=se, table=table,
+           dbeta=dbf, dg=dg, part=part, lower_bound=float(lower_bound), TT=Tt, H=H, HV=HV, K=K, BT=BT,
+           BK=min(K, tab["dg"]["BK"]), NB=NK + 1, GATE=gate, INTERPRET=INTERPRET, **_cfg(tab, "dg"))
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     core.key_head_sums(((q, dqv, dq), (k, dkf, dk)), Tt, H, HV, K, use_l2, _rows_cfg(tab, "final"))
