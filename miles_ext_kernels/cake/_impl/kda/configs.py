@@ -1,9 +1,9 @@
 """Fixed launch configs of the kda kernels (no autotuning: a new process picks the same config, hence the same bits).
 
-sm_90a: the in-chunk kernels' entries were chosen on an H200 (torch 2.11, triton 3.6) by per-kernel device time at
-16 x 2048 tokens, H = HV = 32, K = V = 128 (`bench/kda_profile.py --cfg`, bench/NOTES.md kda v4); the other entries
-are gdn's swept table. The in-chunk kernels are latency-bound: fewer registers per program (more programs per SM)
-won over wider tiles in every pair measured.
+sm_90a: the in-chunk kernels' entries were chosen on an H200 (torch 2.11, triton 3.6) by per-kernel device time at 16
+x 2048 tokens, H = HV = 32, K = V = 128 (`bench/kda_profile.py --cfg`, bench/NOTES.md kda v4); the other entries are
+gdn's swept table (less gdn's prep, dq / dk / dw and WY entries: kernels kda does not have). The in-chunk kernels are
+latency-bound: fewer registers per program (more programs per SM) won over wider tiles in every pair measured.
 - gate BK: the gate and in-chunk cumsum of the log decay in BK-wide key slices.
 - grams: one program per chunk and 16-row sub-block (1 warp, BK = 32: 3.5 ms against 4.2 at 2 warps, 4.5 at 4).
 - inv: the block inverse per chunk.
@@ -36,6 +36,8 @@ CFG = tables.table(
     dg=dict(num_warps=4, BK=64),
     gate_sum=dict(num_warps=4, BP=32, BN=128),
 )
+for _name in ("prep", "dqkw", "wy"):  # gdn's kernels that kda does not launch
+    del CFG[_name]
 NARROW_BELOW = tables.NARROW_BELOW  # programs of the wide state tiles under which h_narrow / dh_narrow are used
 DEFAULT_STAGES = tables.DEFAULT_STAGES  # num_stages where an entry has none (the chunk kernels have no pipelined loop)
 

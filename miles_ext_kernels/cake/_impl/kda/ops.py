@@ -39,7 +39,7 @@ BETA_DTYPES = (torch.float32, torch.bfloat16)
 RAW_GATE_DTYPES = (torch.float32, torch.bfloat16)
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INTERPRET = build.INTERPRET
-_cfg, _state_cfg, _dqkw_cfg, _rows_cfg, _ws, _c = host.bind(OP, configs)
+_cfg, _state_cfg, _, _rows_cfg, _ws, _c = host.bind(OP, configs)  # gdn's dq / dk / dw launches: not kda's
 _pdt, _kdt = core.partial_dtype, core.dk_dtype
 
 
