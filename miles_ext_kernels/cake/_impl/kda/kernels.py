@@ -56,6 +56,7 @@ import triton.language as tl
 from ..delta_rule import common
 from ..delta_rule.common import (
     _causal_store,
+    _chunk_doc,
     _dot,
     _dot32,
     _finite_rows,
@@ -187,9 +188,7 @@ def fwd_gate_kernel(g, A_log, dt_bias, se, table, gc, lower_bound, H, HV, K: tl.
     n = tl.load(table + 2 * p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    ic, bos, eos = _chunk_doc(table, se, p, n)
     o_t = tl.arange(0, BT)
     rows = bos + ic * BT + o_t
     m = rows < eos
@@ -218,9 +217,7 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.con
     n = tl.load(table + 2 * p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    ic, bos, eos = _chunk_doc(table, se, p, n)
     t0 = bos + ic * BT
     nr = tl.minimum(eos - t0, BT).to(tl.int32)
     r0 = i * 16
@@ -274,9 +271,7 @@ def fwd_inv_kernel(Ls, se, table, A, HV, BT: tl.constexpr, INTERPRET: tl.constex
     n = tl.load(table + 2 * p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    ic, bos, eos = _chunk_doc(table, se, p, n)
     t0 = bos + ic * BT
     nr = tl.minimum(eos - t0, BT).to(tl.int32)
     lb = Ls + t0 * (HV * BT) + hv * BT
@@ -338,9 +333,7 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V:
     n = tl.load(table + 2 * p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    ic, bos, eos = _chunk_doc(table, se, p, n)
     hk = hv // (HV // H)
     DT = k.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -408,9 +401,7 @@ def fwd_o_kernel(q, gc, Aqk, vn, h, se, table, o, scale, H, HV, K: tl.constexpr,
     n = tl.load(table + 2 * p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    ic, bos, eos = _chunk_doc(table, se, p, n)
     hk = hv // (HV // H)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -446,9 +437,7 @@ def bwd_dvl_kernel(Aqk, do, vn, se, table, dvl, dAqk, scale, H, HV, V: tl.conste
     n = tl.load(table + 2 * p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    ic, bos, eos = _chunk_doc(table, se, p, n)
     o_t = tl.arange(0, BT)
     o_v = tl.arange(0, V)
     rows = bos + ic * BT + o_t
@@ -521,9 +510,7 @@ def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, d
     n = tl.load(table + 2 * p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    ic, bos, eos = _chunk_doc(table, se, p, n)
     hk = hv // (HV // H)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -606,9 +593,7 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     n = tl.load(table + 2 * p)
     if n < 0:
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    ic, bos, eos = _chunk_doc(table, se, p, n)
     t0 = bos + ic * BT
     nr = tl.minimum(eos - t0, BT).to(tl.int32)  # the chunk's rows in the document
     r0 = i * 16
@@ -713,9 +698,7 @@ def bwd_dg_kernel(g, A_log, dt_bias, dGi, dGd, dgx, dbp, se, table, dbeta, dg, p
             tl.store(part + prow + hv * K + o_kz, tl.zeros([K], dtype=tl.float32))
             tl.store(part + prow + HV * K + hv, 0.)
         return
-    ic = tl.load(table + 2 * p + 1).to(tl.int64)
-    bos = tl.load(se + 2 * n).to(tl.int64)
-    eos = tl.load(se + 2 * n + 1).to(tl.int64)
+    ic, bos, eos = _chunk_doc(table, se, p, n)
     o_t = tl.arange(0, BT)
     rows = bos + ic * BT + o_t
     m = rows < eos
