@@ -95,6 +95,18 @@ def test_math_exact_in_fp32(gate, lens, H, HV, K, V, l2, trans):
     _exact(errs)
 
 
+@pytest.mark.parametrize("decay", [-6.0, -4.5])
+def test_diagonal_sub_blocks_elementwise_past_the_span_exact_in_fp32(decay):
+    """A per-token decay of -6 puts every diagonal sub-block past kernels.DIAG_SPAN (G falls by 48 over the 8 rows
+    about its middle row): the elementwise path, exact for any decay; -4.5 (36) stays inside it but near the edge,
+    with factors up to exp(36) on tensor cores. Both match FP64 in fp32; dg within 2 x EXACT (at -6 its reverse scan
+    sums terms of very different sizes: 6.4e-6, as the elementwise kernels gave before the tensor-core path)."""
+    inp = demo_mod.make_inputs([64, 50], 1, 2, 32, 32, "cpu", gate="pre", decay=decay, seed=9)
+    errs = _fp32_case(inp, True)
+    assert errs.pop("dg") < 2 * EXACT, errs
+    _exact(errs)
+
+
 @pytest.mark.parametrize("bk, narrow", [(16, False), (8, True)])
 def test_k_slices_and_narrow_state_tiles(bk, narrow, monkeypatch):
     """The gate, the grams, the dense backward, the in-chunk backward and the dg backward in K slices (each slice

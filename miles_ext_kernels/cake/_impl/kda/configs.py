@@ -5,11 +5,13 @@ x 2048 tokens, H = HV = 32, K = V = 128 (`bench/kda_profile.py --cfg`, bench/NOT
 gdn's swept table (less gdn's prep, dq / dk / dw and WY entries: kernels kda does not have). The in-chunk kernels are
 latency-bound: fewer registers per program (more programs per SM) won over wider tiles in every pair measured.
 - gate BK: the gate and in-chunk cumsum of the log decay in BK-wide key slices.
-- grams: one program per chunk and 16-row sub-block (1 warp, BK = 32: 3.5 ms against 4.2 at 2 warps, 4.5 at 4).
+- grams: one program per chunk and 16-row sub-block (1 warp, BK = 32; with the diagonal sub-block's tensor-core
+  product: 1.69 ms against 2.62 at 2 warps; before it, 3.5 ms at 1 warp, 4.2 at 2, 4.5 at 4).
 - inv: the block inverse per chunk.
 - dense: the backward's plain matmuls per chunk, BK-wide key slices (32: 3.6 ms, 64: 3.8 with 280 B spilled).
-- intra: the backward's decay-weighted in-chunk products, one program per chunk, key slice and sub-block (BK = 32 at
-  4 warps: 8.2 ms; 16: 15.4; 64: 9.4; 2 warps at 32: 8.7).
+- intra: the backward's decay-weighted in-chunk products, one program per chunk, key slice and sub-block (one
+  product per side and the tensor-core diagonal: BK = 32 at 2 warps 5.9 ms; 4 warps capped at 168 registers 7.1,
+  2 warps capped at 168 6.7; bench/NOTES.md kda v5 has the wider sweep).
 - dg: the reverse scan of dG and the gate's backward per chunk, BK-wide key slices.
 - "h" takes 2 stages (3 need 246 784 B of shared memory, over the H200's 232 448: the G^T tile of a vector gate is
   pipelined too).
@@ -32,7 +34,7 @@ CFG = tables.table(
     inv=dict(num_warps=4),
     h=dict(num_warps=8, num_stages=2, BV=128),
     dense=dict(num_warps=8, BK=32),
-    intra=dict(num_warps=4, BK=32),
+    intra=dict(num_warps=2, BK=32),
     dg=dict(num_warps=4, BK=64),
     gate_sum=dict(num_warps=4, BP=32, BN=128),
 )

@@ -28,9 +28,14 @@ earlier sub-block's last row for the products over columns), so exp(G_i - G_j) =
 G_j >= G_r >= G_i for a decay (g <= 0): both factors are exps of non-positive numbers, whatever the decay, so no bound
 on the gate is needed (fla's safe_gate path leans on lower_bound >= -5 to put a reference inside a 16-row block; a
 pre-gated g promises no such bound), and each such block is one tf32 product. A factor that underflows to 0 stands
-for a true product smaller still. The diagonal sub-blocks go elementwise in fp32, exp(G_i - G_j) per entry (exact
-for any decay); i == j has Gam = 1. The products run at tf32 on rounded fp32 operands (fla's precision for them;
-exact fp32 when the run itself is fp32). `safe_gate` therefore changes no result here.
+for a true product smaller still. A diagonal sub-block (both rows in the same 16) takes the sub-block's row 8 as
+the reference where G falls by at most DIAG_SPAN (40) from the first row to it and from it to the last row on every
+key dimension of the slice (checked per program from G, no bound on the gate assumed; always true under the safe
+gate, 8 x 5, and wherever the decay averages above -5 per token over those rows), so both factors stay within
+exp(40), and is one 3xTF32 product (fp32 accuracy); where G falls faster it goes elementwise in fp32,
+exp(G_i - G_j) per entry (exact for any decay). i == j has Gam = 1. The other products run at tf32 on rounded fp32
+operands (fla's precision for them; exact fp32 when the run itself is fp32). `safe_gate` changes no result here
+beyond what its gate computes.
 Rows past a document's end read the document's last G (the prep's cumsum of g = 0, and clamped row indices
 elsewhere): no exp over a pair of rows has a positive argument, so 0 * inf never makes a NaN.
 A log decay below G_FLOOR (-128) reads as G_FLOOR, as in gdn (exp(-128) is 0 in fp32; g = -inf gives the exact,
@@ -72,6 +77,9 @@ BT = common.BT  # chunk length
 G_FLOOR = common.G_FLOOR
 # gate kinds (constexpr GATE): the log decay as given; -exp(A_log) softplus(g + dt_bias); lower_bound sigmoid(...)
 GATE_NONE, GATE_SOFTPLUS, GATE_SIGMOID = 0, 1, 2
+# the diagonal sub-blocks' tensor-core products need G to fall by at most this much on either side of the middle row
+# (factors <= exp(40) ~ 2.4e17, far from fp32's overflow even times large operands); otherwise elementwise
+DIAG_SPAN = tl.constexpr(40.0)
 
 
 @triton.jit
@@ -92,6 +100,20 @@ def _tdot(a, b, DT: tl.constexpr, INTERPRET: tl.constexpr):
             r = tl.dot(ra, rb, input_precision="ieee")
         else:
             r = tl.dot(ra, rb, input_precision="tf32")
+    return r
+
+
+@triton.jit
+def _xdot(a, b, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """a @ b of fp32 operands at about fp32 accuracy: 3xTF32 on the tensor cores in a bf16 run (a = a_hi + a_lo,
+    a_hi b_hi + a_hi b_lo + a_lo b_hi), exact fp32 when the run itself is fp32 and in the interpreter. The diagonal
+    sub-blocks' products (`_diag_refs`) use it: the accuracy of the elementwise fp32 path they stand for."""
+    if DT == tl.float32:
+        r = tl.dot(a, b, input_precision="ieee")
+    elif INTERPRET:
+        r = tl.dot(a, b, input_precision="ieee")
+    else:
+        r = tl.dot(a, b, input_precision="tf32x3")
     return r
 
 
@@ -157,6 +179,19 @@ def _rows16(x, nr, r0, RS, o_k, CLAMP: tl.constexpr):
     return b.to(tl.float32)
 
 
+@triton.jit
+def _diag_refs(gcb, nr, r0, RS, o_k, gn):
+    """The diagonal sub-block's reference for its tensor-core products: (gm, ok) with gm the log decay G at its row 8
+    (the document's last row past its end) and ok whether every factor about it stays within exp(DIAG_SPAN): G from
+    the first row gn down to gm, and from gm down to the last row, by at most DIAG_SPAN on every key dimension of the
+    slice (a NaN fails it). A bounded gate always passes (the safe gate: 8 x 5); a sub-block that fails takes the
+    elementwise path, exact for any decay."""
+    gm = tl.load(gcb + tl.minimum(r0 + 8, nr - 1) * RS + o_k)
+    gl = tl.load(gcb + tl.minimum(r0 + 15, nr - 1) * RS + o_k)
+    ok = (gn - gm <= DIAG_SPAN) & (gm - gl <= DIAG_SPAN)
+    return gm, tl.sum(tl.where(ok, 0, 1), 0) == 0
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # forward
 @triton.jit
@@ -209,7 +244,9 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.con
     """Per chunk and 16-row sub-block i: its rows of Aqk (stored) and of L (fp32, into Ls for fwd_inv_kernel), by
     sub-blocks (module docstring): the earlier rows in one product, (q_i, k_i * exp(G_i - G_r)) times
     (k_j exp(G_r - G_j))^T over every row j before the sub-block's first row r (both factors <= 1); the diagonal
-    sub-block elementwise, one column at a time (exact for any decay). The key dimensions go in BK-wide slices."""
+    sub-block as one 3xTF32 product with its row 8 as the reference where the decay about it is bounded
+    (`_diag_refs`), otherwise elementwise, one column at a time (exact for any decay). The key dimensions go in
+    BK-wide slices."""
     pid = tl.program_id(0)
     hv = tl.program_id(1)
     i = pid % 4
@@ -235,6 +272,8 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.con
     before = (o_t < r0)[:, None]
     sq = tl.zeros([16, BT], dtype=tl.float32)
     sk = tl.zeros([16, BT], dtype=tl.float32)
+    dq = tl.zeros([16, 16], dtype=tl.float32)  # the diagonal sub-block
+    dk = tl.zeros([16, 16], dtype=tl.float32)
     for ks in range(0, K // BK):
         o_k = ks * BK + tl.arange(0, BK)
         b_q = _rows16(qb, nr, r0, H * K, o_k, False)
@@ -248,19 +287,34 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.con
         kgt = tl.trans(tl.where(before, ka * tl.exp(gn[None, :] - ga), 0.))
         sq += _tdot(b_q * e, kgt, DT, INTERPRET)
         sk += _tdot(b_k * e, kgt, DT, INTERPRET)
-        for j in range(0, 16):
+        # both diagonal paths without a branch (an if / else around them gave NaNs on the elementwise side, triton
+        # 3.6 on Hopper): the product, kept where the span allows it (its exponents capped, so it stays finite
+        # where it is dropped), and the loop, 16 steps where it does not and none where it does
+        gm, diag_ok = _diag_refs(gcb, nr, r0, HV * K, o_k, gn)
+        em = tl.exp(tl.minimum(b_g - gm[None, :], DIAG_SPAN))
+        kdt = tl.trans(b_k * tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN)))
+        dq += tl.where(diag_ok, _xdot(b_q * em, kdt, DT, INTERPRET), 0.)
+        dk += tl.where(diag_ok, _xdot(b_k * em, kdt, DT, INTERPRET), 0.)
+        for j in range(0, tl.where(diag_ok, 0, 16)):
             rc = tl.minimum(r0 + j, nr - 1)
             kj = tl.where(r0 + j < nr, tl.load(kb + rc * (H * K) + o_k).to(tl.float32), 0.)
             gj = tl.load(gcb + rc * (HV * K) + o_k)
             # masked after the product: a non-finite k_j must not reach the rows before it
             kje = tl.where((o >= j)[:, None], tl.exp(b_g - gj[None, :]) * kj[None, :], 0.)
-            sel = (o_t == r0 + j)[None, :]
-            sq = tl.where(sel, sq + tl.sum(b_q * kje, 1)[:, None], sq)
-            sk = tl.where(sel, sk + tl.where(o > j, tl.sum(b_k * kje, 1), 0.)[:, None], sk)
+            sel = (o == j)[None, :]
+            dq = tl.where(sel, dq + tl.sum(b_q * kje, 1)[:, None], dq)
+            dk = tl.where(sel, dk + tl.sum(b_k * kje, 1)[:, None], dk)
     b_b = tl.load(beta + (t0 + r) * HV + hv, mask=m, other=0.).to(tl.float32)
+    # two disjoint stores: the strip outside the diagonal sub-block, then the sub-block (j <= i for Aqk, j < i for L)
     a_off = (t0 + r)[:, None] * (HV * BT) + hv * BT + o_t[None, :]
-    tl.store(Aqk + a_off, _rnd(sq * scale, Aqk.dtype.element_ty, INTERPRET), mask=m[:, None])
-    tl.store(Ls + a_off, sk * b_b[:, None], mask=m[:, None])
+    ms = m[:, None] & ((o_t < r0) | (o_t >= r0 + 16))[None, :]
+    tl.store(Aqk + a_off, _rnd(sq * scale, Aqk.dtype.element_ty, INTERPRET), mask=ms)
+    tl.store(Ls + a_off, sk * b_b[:, None], mask=ms)
+    d_off = (t0 + r)[:, None] * (HV * BT) + hv * BT + r0 + o[None, :]
+    dq = tl.where(o[:, None] >= o[None, :], dq, 0.)
+    dk = tl.where(o[:, None] > o[None, :], dk, 0.)
+    tl.store(Aqk + d_off, _rnd(dq * scale, Aqk.dtype.element_ty, INTERPRET), mask=m[:, None])
+    tl.store(Ls + d_off, dk * b_b[:, None], mask=m[:, None])
 
 
 @triton.jit(do_not_specialize=["HV"])
@@ -570,6 +624,18 @@ def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, d
              tl.where(o_t[:, None] > o_t[None, :], b_dl, 0.), mask=m[:, None])
 
 
+@triton.jit
+def _chunk_rows(x, nr, RS, o_k, BT: tl.constexpr, CLAMP: tl.constexpr):
+    """All BT rows of a chunk (x: its row 0, row stride RS) in the key slice o_k, fp32, by `_rows16`'s rules (0 at or
+    past nr, or with CLAMP the document's last row)."""
+    r = tl.arange(0, BT)
+    if CLAMP:
+        b = tl.load(x + tl.minimum(r, nr - 1)[:, None] * RS + o_k[None, :])
+    else:
+        b = tl.load(x + r[:, None] * RS + o_k[None, :], mask=(r < nr)[:, None], other=0.)
+    return b.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["TT", "H", "HV"])
 def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp, dGi, TT, H, HV, K: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
@@ -580,9 +646,11 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
         cols C_j = sum_i M_ij x_i Gam_ij, x = q (dAqk), beta k (dL) (dk_j)
     Writes dq, dk (per value head: bwd_dense_kernel's partials plus these), this slice's part of dbeta (dbp[slice],
     [K // BK + 1, T, HV]; TT: the rows of T) and dG = q R^qk + k (beta R^L) - k (C^qk + C^L) (dGi, fp32;
-    bwd_dg_kernel scans it). The diagonal sub-block goes elementwise, one row at a time (a [16, 16, BK] tile at once
-    measured slower: more live registers, fewer programs per SM). The diagonal of dAqk (Gam = 1) goes to dq, dk
-    elementwise and never into dG (its q * dq and k * dk terms cancel exactly)."""
+    bwd_dg_kernel scans it). The earlier sub-blocks go in one [16, BT] x [BT, BK] product per M with this
+    sub-block's first row as the reference (the later rows' operand masked to 0), the later ones likewise with its
+    last row; the diagonal sub-block in one 3xTF32 product per side and M with its row 8 as the reference where the
+    decay about it is bounded (`_diag_refs`), otherwise elementwise, one row at a time. The diagonal of dAqk
+    (Gam = 1) goes to dq, dk elementwise and never into dG (its q * dq and k * dk terms cancel exactly)."""
     NK: tl.constexpr = K // BK
     pid = tl.program_id(0)
     hv = tl.program_id(1)
@@ -599,10 +667,10 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     r0 = i * 16
     if r0 >= nr:
         return
-    nb = tl.cdiv(nr, 16)  # sub-blocks holding them
     hk = hv // (HV // H)
     DT = k.dtype.element_ty
     o = tl.arange(0, 16)
+    o_t = tl.arange(0, BT)
     # one 64-bit base per tensor and 32-bit in-chunk offsets (a tile of 64-bit pointers costs twice the registers)
     qb = q + t0 * (H * K) + hk * K
     kb = k + t0 * (H * K) + hk * K
@@ -623,34 +691,49 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     mq = _mblk(mqb, nr, r0, r0, BT, HV * BT, False)  # its diagonal goes elementwise
     gn = tl.load(gcb + r0 * (HV * K) + o_k)  # the earlier sub-blocks' reference: this one's first row
     gl = tl.load(gcb + tl.minimum(r0 + 15, nr - 1) * (HV * K) + o_k)  # the later ones': its last row
-    rq = tl.zeros([16, BK], dtype=tl.float32)
-    rl = tl.zeros([16, BK], dtype=tl.float32)
-    cq = tl.zeros([16, BK], dtype=tl.float32)
-    cl = tl.zeros([16, BK], dtype=tl.float32)
-    for jb in range(0, i):  # earlier sub-blocks (both factors <= 1)
-        b_kj = _rows16(kb, nr, jb * 16, H * K, o_k, False)
-        b_gj = _rows16(gcb, nr, jb * 16, HV * K, o_k, True)
-        kg = b_kj * tl.exp(gn[None, :] - b_gj)
-        rq += _tdot(_mblk(mqb, nr, r0, jb * 16, BT, HV * BT, False), kg, DT, INTERPRET)
-        rl += _tdot(_mblk(mlb, nr, r0, jb * 16, BT, HV * BT, False), kg, DT, INTERPRET)
+    # the whole chunk's rows once (the earlier rows for R, the later ones for C)
+    a_k = _chunk_rows(kb, nr, H * K, o_k, BT, False)
+    a_q = _chunk_rows(qb, nr, H * K, o_k, BT, False)
+    a_g = _chunk_rows(gcb, nr, HV * K, o_k, BT, True)
+    a_b = tl.load(bb + o_t * HV, mask=o_t < nr, other=0.).to(tl.float32)
+    early = o_t < r0
+    late = (o_t >= r0 + 16) & (o_t < nr)
+    # selected, not multiplied: exp of the other rows' differences may overflow
+    kg = tl.where(early[:, None], a_k * tl.exp(gn[None, :] - a_g), 0.)
+    el = tl.where(late[:, None], tl.exp(a_g - gl[None, :]), 0.)
+    # this sub-block's rows of M over the earlier columns, and its columns over the later rows (loaded transposed)
+    r_off = r[:, None] * (HV * BT) + o_t[None, :]
+    c_off = o_t[None, :] * (HV * BT) + r[:, None]
+    mr = m[:, None] & early[None, :]
+    mc = late[None, :]
+    rq = _tdot(tl.load(mqb + r_off, mask=mr, other=0.), kg, DT, INTERPRET)
+    rl = _tdot(tl.load(mlb + r_off, mask=mr, other=0.), kg, DT, INTERPRET)
+    cq = _tdot(tl.load(mqb + c_off, mask=mc, other=0.), a_q * el, DT, INTERPRET)
+    cl = _tdot(tl.load(mlb + c_off, mask=mc, other=0.), (a_b[:, None] * a_k) * el, DT, INTERPRET)
     eq = tl.exp(b_g - gn[None, :])
+    ek = tl.exp(gl[None, :] - b_g)
     rq *= eq
     rl *= eq
-    for jb in range(i + 1, nb):  # later sub-blocks
-        b_qj = _rows16(qb, nr, jb * 16, H * K, o_k, False)
-        b_kj = _rows16(kb, nr, jb * 16, H * K, o_k, False)
-        b_gj = _rows16(gcb, nr, jb * 16, HV * K, o_k, True)
-        rj = jb * 16 + o
-        b_bj = tl.load(bb + rj * HV, mask=rj < nr, other=0.).to(tl.float32)
-        ej = tl.exp(b_gj - gl[None, :])
-        cq += _tdot(_mblk(mqb, nr, jb * 16, r0, BT, HV * BT, True), b_qj * ej, DT, INTERPRET)
-        cl += _tdot(_mblk(mlb, nr, jb * 16, r0, BT, HV * BT, True), b_kj * b_bj[:, None] * ej, DT, INTERPRET)
-    ek = tl.exp(gl[None, :] - b_g)
     cq *= ek
     cl *= ek
-    # the diagonal sub-block, elementwise (exact for any decay): row j's column of M for the rows, its row for the
-    # columns; e_ij = exp(-|G_i - G_j|) is the factor of the pair on either side of j
-    for j in range(0, 16):
+    # the diagonal sub-block, both paths without a branch (as in fwd_grams_kernel): about its row 8 on tensor
+    # cores where the span allows it (rows j < i for R, i > j for C), elementwise where it does not
+    gm, diag_ok = _diag_refs(gcb, nr, r0, HV * K, o_k, gn)
+    em = tl.exp(tl.minimum(b_g - gm[None, :], DIAG_SPAN))
+    en = tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN))
+    low = o[:, None] > o[None, :]
+    ml = _mblk(mlb, nr, r0, r0, BT, HV * BT, False)
+    mqt = _mblk(mqb, nr, r0, r0, BT, HV * BT, True)
+    mlt = _mblk(mlb, nr, r0, r0, BT, HV * BT, True)
+    kd = b_k * en
+    rq += tl.where(diag_ok, _xdot(tl.where(low, mq, 0.), kd, DT, INTERPRET) * em, 0.)
+    rl += tl.where(diag_ok, _xdot(tl.where(low, ml, 0.), kd, DT, INTERPRET) * em, 0.)
+    up = o[:, None] < o[None, :]  # transposed: entry (j, i) of M^T, i > j
+    cq += tl.where(diag_ok, _xdot(tl.where(up, mqt, 0.), b_q * em, DT, INTERPRET) * en, 0.)
+    cl += tl.where(diag_ok, _xdot(tl.where(up, mlt, 0.), (b_b[:, None] * b_k) * em, DT, INTERPRET) * en, 0.)
+    # elementwise (exact for any decay): row j's column of M for the rows, its row for the columns;
+    # e_ij = exp(-|G_i - G_j|) is the factor of the pair on either side of j
+    for j in range(0, tl.where(diag_ok, 0, 16)):
         rc = tl.minimum(r0 + j, nr - 1)
         ok = r0 + j < nr
         qj = tl.where(ok, tl.load(qb + rc * (H * K) + o_k).to(tl.float32), 0.)
