@@ -1,11 +1,14 @@
 """Per-kernel device time of kda fwd + bwd at 4 x 32768 tokens, H = HV = 32, K = V = 128, safe gate, L2 norm, [V, K]
 states (torch.profiler, 5 steps after 3 warm-up steps; run from the repository root on a GPU).
 
-    python bench/kda_profile.py [--cfg JSON] [--lens 2048x16]
+    python bench/kda_profile.py [--cfg JSON ...] [--lens 2048x16] [--gate safe|softplus]
 
---cfg updates entries of the kda config table first (as bench/kda_sass.py's, e.g. '{"prep": {"num_warps": 4}}');
---lens: the documents, LENxCOUNT."""
+--cfg updates entries of the kda config table (as bench/kda_sass.py's, e.g. '{"intra": {"num_warps": 8}}'); given
+several times, each is one variant of the same run, from the shipped table, in one process (only the kernels a
+variant changes recompile; '{}' is the shipped table itself). --lens: the documents, LENxCOUNT. --gate: the safe
+gate (Kimi-K3's) or the softplus gate (Kimi-Linear's)."""
 import argparse
+import copy
 import json
 import sys
 
@@ -20,37 +23,47 @@ from miles_ext_kernels.cake import kda
 from miles_ext_kernels.cake._impl.kda import configs
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-ap.add_argument("--cfg", default="{}")
+ap.add_argument("--cfg", action="append")
 ap.add_argument("--lens", default="32768x4")
+ap.add_argument("--gate", choices=("safe", "softplus"), default="safe")
 args = ap.parse_args()
-for name, entry in json.loads(args.cfg).items():
-    configs.CFG[name].update(entry)
+SHIPPED = copy.deepcopy(configs.CFG)
 mek.configure(kda_variant="det")
 length, count = (int(x) for x in args.lens.split("x"))
-p = dict(H=32, HV=32, K=128, V=128, gate="safe", trans=True, lens=[length] * count)
+p = dict(H=32, HV=32, K=128, V=128, gate=args.gate, trans=True, lens=[length] * count)
 x = B.make(p)
 leaves = [x[n].requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
+gate_kw = dict(safe_gate=True, lower_bound=-5.0) if args.gate == "safe" else {}
 
 
 def step():
     o, ht = kda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
                           use_qk_l2norm_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
-                          transpose_state_layout=True, cu_seqlens=x["cu"], use_gate_in_kernel=True, safe_gate=True,
-                          lower_bound=-5.0)
+                          transpose_state_layout=True, cu_seqlens=x["cu"], use_gate_in_kernel=True, **gate_kw)
     torch.autograd.backward((o, ht), (x["do"], x["dht"]))
     for t in leaves:
         t.grad = None
 
 
-for _ in range(3):
-    step()
-torch.cuda.synchronize()
-N = 5
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    for _ in range(N):
+def profile_variant(cfg):
+    for name in SHIPPED:
+        configs.CFG[name] = dict(SHIPPED[name])
+    for name, entry in json.loads(cfg).items():
+        configs.CFG[name].update(entry)
+    for _ in range(3):
         step()
     torch.cuda.synchronize()
-rows = [(e.key, e.device_time_total / N / 1e3, e.count // N) for e in prof.key_averages() if e.device_time_total > 0]
-print(f"cfg {args.cfg} lens {args.lens}: total {sum(r[1] for r in rows):.3f} ms/step")
-for name, ms, calls in sorted(rows, key=lambda r: -r[1])[:20]:
-    print(f"{ms:9.3f} ms/step  x{calls:<3d} {name[:90]}")
+    N = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(N):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / N / 1e3, e.count // N) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    print(f"cfg {cfg} lens {args.lens} gate {args.gate}: total {sum(r[1] for r in rows):.3f} ms/step", flush=True)
+    for name, ms, calls in sorted(rows, key=lambda r: -r[1])[:20]:
+        print(f"{ms:9.3f} ms/step  x{calls:<3d} {name[:90]}", flush=True)
+
+
+for cfg in args.cfg or ["{}"]:
+    profile_variant(cfg)
