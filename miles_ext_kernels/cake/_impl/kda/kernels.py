@@ -688,7 +688,7 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     b_k = _rows16(kb, nr, r0, H * K, o_k, False)
     b_g = _rows16(gcb, nr, r0, HV * K, o_k, True)
     b_b = tl.load(bb + r * HV, mask=m, other=0.).to(tl.float32)
-    mq = _mblk(mqb, nr, r0, r0, BT, HV * BT, False)  # its diagonal goes elementwise
+    mq = _mblk(mqb, nr, r0, r0, BT, HV * BT, False)  # dAqk's diagonal block: its diagonal goes elementwise
     gn = tl.load(gcb + r0 * (HV * K) + o_k)  # the earlier sub-blocks' reference: this one's first row
     gl = tl.load(gcb + tl.minimum(r0 + 15, nr - 1) * (HV * K) + o_k)  # the later ones': its last row
     # the whole chunk's rows once (the earlier rows for R, the later ones for C)
