@@ -145,7 +145,11 @@ def test_step_dry_run(tmp_path):
 @pytest.mark.parametrize("docs", ["regular", "irregular"])
 def test_step_sdpa_peer_matches_ours(docs):
     """The peers' SDPA attention (dense for equal documents, each document padded otherwise) in our stack gives our
-    step's output and gradients: its layouts and its padding are right (fla and Liger need a GPU)."""
+    step's output and gradients: its layouts and its padding are right (fla and Liger need a GPU). The peer's
+    attention runs on fp32 copies here: torch's bf16 CPU attention differs with the CPU (on an AMD EPYC without
+    AVX-512 it put the gradients 3.5-4.5 % from ours, against 2-3 % in fp32). Measured in fp32: out <= 0.9 %, the
+    gradients <= 3.4 %; one row per document taken from its neighbour (a layout slip) gives out 7-9 % and some
+    gradient 18-75 %."""
     mod = _load("step")
     dims, device = mod.DRY, "cpu"
     lens = mod.DRY_LENS[docs]
@@ -153,11 +157,16 @@ def test_step_sdpa_peer_matches_ours(docs):
     w = mod.make_weights(dims, device)
     x, dy = mod.make_inputs(dims, sum(lens), device)
     ours = mod.ours_ops(dims, device)
-    sdpa = mod.Ops("sdpa", ours.norm, mod.sdpa_attention(dims), ours.conv, ours.gdn, ours.gated_norm)
+    attention = mod.sdpa_attention(dims)
+
+    def attention32(q, k, v, docs):
+        return attention(q.float(), k.float(), v.float(), docs).to(q.dtype)
+
+    sdpa = mod.Ops("sdpa", ours.norm, attention32, ours.conv, ours.gdn, ours.gated_norm)
     want = mod.make_step(ours, w, x, dy, d, dims)()
     got = mod.make_step(sdpa, w, x, dy, d, dims)()
     for name, a, b in zip(mod.result_names(w), got, want, strict=True):
-        assert _common.rel_rms(a, b) < 2e-2, name
+        assert _common.rel_rms(a, b) < (2e-2 if name == "out" else 5e-2), name
 
 
 # ---------------------------------------------------------------------------------------------------- synthetic
