@@ -108,9 +108,7 @@ def _xdot(a, b, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """a @ b of fp32 operands at about fp32 accuracy: 3xTF32 on the tensor cores in a bf16 run (a = a_hi + a_lo,
     a_hi b_hi + a_hi b_lo + a_lo b_hi), exact fp32 when the run itself is fp32 and in the interpreter. The diagonal
     sub-blocks' products (`_diag_refs`) use it: the accuracy of the elementwise fp32 path they stand for."""
-    if DT == tl.float32:
-        r = tl.dot(a, b, input_precision="ieee")
-    elif INTERPRET:
+    if DT == tl.float32 or INTERPRET:
         r = tl.dot(a, b, input_precision="ieee")
     else:
         r = tl.dot(a, b, input_precision="tf32x3")
@@ -168,10 +166,10 @@ def _mblk(M, nr, r0, c0, BT: tl.constexpr, RS, TRANS: tl.constexpr):
 
 
 @triton.jit
-def _rows16(x, nr, r0, RS, o_k, CLAMP: tl.constexpr):
-    """Rows [r0, r0 + 16) of a chunk (x: its row 0, row stride RS) in the key slice o_k, fp32: 0 at or past nr (the
+def _rows(x, nr, r0, RS, o_k, N: tl.constexpr, CLAMP: tl.constexpr):
+    """Rows [r0, r0 + N) of a chunk (x: its row 0, row stride RS) in the key slice o_k, fp32: 0 at or past nr (the
     document's end), or with CLAMP (the cumulative gate) the document's last row."""
-    r = r0 + tl.arange(0, 16)
+    r = r0 + tl.arange(0, N)
     if CLAMP:
         b = tl.load(x + tl.minimum(r, nr - 1)[:, None] * RS + o_k[None, :])
     else:
@@ -276,9 +274,9 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.con
     dk = tl.zeros([16, 16], dtype=tl.float32)
     for ks in range(0, K // BK):
         o_k = ks * BK + tl.arange(0, BK)
-        b_q = _rows16(qb, nr, r0, H * K, o_k, False)
-        b_k = _rows16(kb, nr, r0, H * K, o_k, False)
-        b_g = _rows16(gcb, nr, r0, HV * K, o_k, True)
+        b_q = _rows(qb, nr, r0, H * K, o_k, 16, False)
+        b_k = _rows(kb, nr, r0, H * K, o_k, 16, False)
+        b_g = _rows(gcb, nr, r0, HV * K, o_k, 16, True)
         gn = tl.load(gcb + r0 * (HV * K) + o_k)
         e = tl.exp(b_g - gn[None, :])
         ka = tl.load(kb + o_t[:, None] * (H * K) + o_k[None, :], mask=before, other=0.).to(tl.float32)
@@ -624,18 +622,6 @@ def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, d
              tl.where(o_t[:, None] > o_t[None, :], b_dl, 0.), mask=m[:, None])
 
 
-@triton.jit
-def _chunk_rows(x, nr, RS, o_k, BT: tl.constexpr, CLAMP: tl.constexpr):
-    """All BT rows of a chunk (x: its row 0, row stride RS) in the key slice o_k, fp32, by `_rows16`'s rules (0 at or
-    past nr, or with CLAMP the document's last row)."""
-    r = tl.arange(0, BT)
-    if CLAMP:
-        b = tl.load(x + tl.minimum(r, nr - 1)[:, None] * RS + o_k[None, :])
-    else:
-        b = tl.load(x + r[:, None] * RS + o_k[None, :], mask=(r < nr)[:, None], other=0.)
-    return b.to(tl.float32)
-
-
 @triton.jit(do_not_specialize=["TT", "H", "HV"])
 def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp, dGi, TT, H, HV, K: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
@@ -684,17 +670,17 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     # what the end of the program reads, issued first (its latency overlaps the products)
     p_dq = tl.load(dqs + k_off, mask=m[:, None], other=0.).to(tl.float32)
     p_dk = tl.load(dks + k_off, mask=m[:, None], other=0.).to(tl.float32)
-    b_q = _rows16(qb, nr, r0, H * K, o_k, False)
-    b_k = _rows16(kb, nr, r0, H * K, o_k, False)
-    b_g = _rows16(gcb, nr, r0, HV * K, o_k, True)
+    b_q = _rows(qb, nr, r0, H * K, o_k, 16, False)
+    b_k = _rows(kb, nr, r0, H * K, o_k, 16, False)
+    b_g = _rows(gcb, nr, r0, HV * K, o_k, 16, True)
     b_b = tl.load(bb + r * HV, mask=m, other=0.).to(tl.float32)
     mq = _mblk(mqb, nr, r0, r0, BT, HV * BT, False)  # dAqk's diagonal block: its diagonal goes elementwise
     gn = tl.load(gcb + r0 * (HV * K) + o_k)  # the earlier sub-blocks' reference: this one's first row
     gl = tl.load(gcb + tl.minimum(r0 + 15, nr - 1) * (HV * K) + o_k)  # the later ones': its last row
     # the whole chunk's rows once (the earlier rows for R, the later ones for C)
-    a_k = _chunk_rows(kb, nr, H * K, o_k, BT, False)
-    a_q = _chunk_rows(qb, nr, H * K, o_k, BT, False)
-    a_g = _chunk_rows(gcb, nr, HV * K, o_k, BT, True)
+    a_k = _rows(kb, nr, 0, H * K, o_k, BT, False)
+    a_q = _rows(qb, nr, 0, H * K, o_k, BT, False)
+    a_g = _rows(gcb, nr, 0, HV * K, o_k, BT, True)
     a_b = tl.load(bb + o_t * HV, mask=o_t < nr, other=0.).to(tl.float32)
     early = o_t < r0
     late = (o_t >= r0 + 16) & (o_t < nr)
