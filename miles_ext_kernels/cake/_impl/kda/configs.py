@@ -4,7 +4,8 @@ sm_90a: the in-chunk kernels' entries were chosen on an H200 (torch 2.11, triton
 x 2048 tokens, H = HV = 32, K = V = 128 (`bench/kda_profile.py --cfg`, bench/NOTES.md kda v4); the other entries are
 gdn's swept table (less gdn's prep, dq / dk / dw and WY entries: kernels kda does not have). The in-chunk kernels are
 latency-bound: fewer registers per program (more programs per SM) won over wider tiles in every pair measured.
-- gate BK: the gate and in-chunk cumsum of the log decay in BK-wide key slices.
+- gate BK: the gate and in-chunk cumsum of the log decay in BK-wide key slices; SPLIT programs per chunk along K (2:
+  0.42 ms against 0.50 in one program, H100, same bits; BK changes the scan's bits).
 - grams: one program per chunk and 16-row sub-block (1 warp, BK = 32; with the diagonal sub-block's tensor-core
   product: 1.69 ms against 2.62 at 2 warps; before it, 3.5 ms at 1 warp, 4.2 at 2, 4.5 at 4).
 - inv: the block inverse per chunk.
@@ -29,7 +30,7 @@ from ..delta_rule import tables
 
 # gdn's table with the entries above changed (the other entries: `_impl/delta_rule/tables.SWEPT`)
 CFG = tables.table(
-    gate=dict(num_warps=4, BK=64),
+    gate=dict(num_warps=4, BK=64, SPLIT=2),
     grams=dict(num_warps=1, BK=32),
     inv=dict(num_warps=4),
     h=dict(num_warps=8, num_stages=2, BV=128),

@@ -214,10 +214,13 @@ def _store_strip(out, t0, eos, r0: tl.constexpr, hv, HV, b0, b1, b2, b3, first, 
 
 @triton.jit(do_not_specialize=["H", "HV"])
 def fwd_gate_kernel(g, A_log, dt_bias, se, table, gc, lower_bound, H, HV, K: tl.constexpr, BT: tl.constexpr,
-                    BK: tl.constexpr, GATE: tl.constexpr):
-    """Per chunk: the gate (GATE) and gc = the in-chunk cumsum of the log decay, in BK-wide key slices."""
+                    BK: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr):
+    """Per chunk and 1 / SPLIT of the key dimensions (grid axis 2): the gate (GATE) and gc = the in-chunk cumsum of
+    the log decay, in BK-wide key slices."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
+    NS: tl.constexpr = K // BK // SPLIT  # key slices per program
+    ks0 = tl.program_id(2) * NS
     n = tl.load(table + 2 * p)
     if n < 0:
         return
@@ -225,7 +228,7 @@ def fwd_gate_kernel(g, A_log, dt_bias, se, table, gc, lower_bound, H, HV, K: tl.
     o_t = tl.arange(0, BT)
     rows = bos + ic * BT + o_t
     m = rows < eos
-    for ks in range(0, K // BK):
+    for ks in range(ks0, ks0 + NS):
         o_k = ks * BK + tl.arange(0, BK)
         g_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
         b_g = tl.load(g + g_off, mask=m[:, None], other=0.).to(tl.float32)
@@ -280,8 +283,8 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.con
         gn = tl.load(gcb + r0 * (HV * K) + o_k)
         e = tl.exp(b_g - gn[None, :])
         ka = tl.load(kb + o_t[:, None] * (H * K) + o_k[None, :], mask=before, other=0.).to(tl.float32)
-        ga = tl.load(gcb + tl.minimum(o_t, nr - 1)[:, None] * (HV * K) + o_k[None, :])
-        # masked after the product: the rows from r on (exp of a positive difference) never count
+        ga = tl.load(gcb + o_t[:, None] * (HV * K) + o_k[None, :], mask=before, other=0.)  # rows < r0 < nr
+        # selected after the product: the rows from r on (exp of a positive difference) never count
         kgt = tl.trans(tl.where(before, ka * tl.exp(gn[None, :] - ga), 0.))
         sq += _tdot(b_q * e, kgt, DT, INTERPRET)
         sk += _tdot(b_k * e, kgt, DT, INTERPRET)
@@ -636,14 +639,15 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     sub-block's first row as the reference (the later rows' operand masked to 0), the later ones likewise with its
     last row; the diagonal sub-block in one 3xTF32 product per side and M with its row 8 as the reference where the
     decay about it is bounded (`_diag_refs`), otherwise elementwise, one row at a time. The diagonal of dAqk
-    (Gam = 1) goes to dq, dk elementwise and never into dG (its q * dq and k * dk terms cancel exactly)."""
+    (Gam = 1) goes to dq, dk elementwise and never into dG (its q * dq and k * dk terms cancel exactly). What does
+    not depend on the key slice is loaded first (`_intra_slice` does the slice's work): measured faster than the
+    loads in the order the products use them (bench/NOTES.md, kda v5.1)."""
     NK: tl.constexpr = K // BK
     pid = tl.program_id(0)
     hv = tl.program_id(1)
     i = pid % 4
     ks = (pid // 4) % NK
     p = pid // (4 * NK)
-    o_k = ks * BK + tl.arange(0, BK)
     n = tl.load(table + 2 * p)
     if n < 0:
         return
@@ -654,7 +658,6 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     if r0 >= nr:
         return
     hk = hv // (HV // H)
-    DT = k.dtype.element_ty
     o = tl.arange(0, 16)
     o_t = tl.arange(0, BT)
     # one 64-bit base per tensor and 32-bit in-chunk offsets (a tile of 64-bit pointers costs twice the registers)
@@ -666,36 +669,62 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     mlb = dL + t0 * (HV * BT) + hv * BT
     r = r0 + o
     m = r < nr
+    early = o_t < r0
+    late = (o_t >= r0 + 16) & (o_t < nr)
+    b_b = tl.load(bb + r * HV, mask=m, other=0.).to(tl.float32)
+    a_b = tl.load(bb + o_t * HV, mask=late, other=0.).to(tl.float32)  # the later rows' beta (for C)
+    # what does not depend on the key slice: this sub-block's rows of M over the earlier columns, its columns over
+    # the later rows (loaded transposed), and its diagonal block (the diagonal of dAqk goes elementwise)
+    r_off = r[:, None] * (HV * BT) + o_t[None, :]
+    c_off = o_t[None, :] * (HV * BT) + r[:, None]
+    mr = m[:, None] & early[None, :]
+    mc = late[None, :]
+    s_rq = tl.load(mqb + r_off, mask=mr, other=0.)
+    s_rl = tl.load(mlb + r_off, mask=mr, other=0.)
+    s_cq = tl.load(mqb + c_off, mask=mc, other=0.)
+    s_cl = tl.load(mlb + c_off, mask=mc, other=0.)
+    mq = _mblk(mqb, nr, r0, r0, BT, HV * BT, False)
+    ml = _mblk(mlb, nr, r0, r0, BT, HV * BT, False)
+    mqt = _mblk(mqb, nr, r0, r0, BT, HV * BT, True)
+    mlt = _mblk(mlb, nr, r0, r0, BT, HV * BT, True)
+    # a one-trip loop: it keeps the slice's loads and products after the strips' loads (straight-line code gets
+    # them interleaved and spills 292 B a thread, ptxas, triton 3.6, sm_90a; the loop: none)
+    for ks1 in range(ks, ks + 1):
+        _intra_slice(ks1, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, early, late,
+                     b_b, a_b, s_rq, s_rl, s_cq, s_cl, mq, ml, mqt, mlt, TT, H, HV, K, BT, BK, k.dtype.element_ty,
+                     INTERPRET)
+
+
+@triton.jit
+def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, early, late, b_b,
+                 a_b, s_rq, s_rl, s_cq, s_cl, mq, ml, mqt, mlt, TT, H, HV, K: tl.constexpr, BT: tl.constexpr,
+                 BK: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """bwd_intra_kernel's work on key slice ks (s_*: the sub-block's strips of M, mq .. mlt its diagonal blocks; DT:
+    the run's dtype)."""
+    o = tl.arange(0, 16)
+    o_k = ks * BK + tl.arange(0, BK)
     k_off = t0 * (HV * K) + hv * K + r[:, None] * (HV * K) + o_k[None, :]
-    # what the end of the program reads, issued first (its latency overlaps the products)
+    # what the end of the slice reads, issued first (its latency overlaps the products)
     p_dq = tl.load(dqs + k_off, mask=m[:, None], other=0.).to(tl.float32)
     p_dk = tl.load(dks + k_off, mask=m[:, None], other=0.).to(tl.float32)
     b_q = _rows(qb, nr, r0, H * K, o_k, 16, False)
     b_k = _rows(kb, nr, r0, H * K, o_k, 16, False)
     b_g = _rows(gcb, nr, r0, HV * K, o_k, 16, True)
-    b_b = tl.load(bb + r * HV, mask=m, other=0.).to(tl.float32)
-    mq = _mblk(mqb, nr, r0, r0, BT, HV * BT, False)  # dAqk's diagonal block: its diagonal goes elementwise
     gn = tl.load(gcb + r0 * (HV * K) + o_k)  # the earlier sub-blocks' reference: this one's first row
     gl = tl.load(gcb + tl.minimum(r0 + 15, nr - 1) * (HV * K) + o_k)  # the later ones': its last row
-    # the whole chunk's rows once (the earlier rows for R, the later ones for C)
-    a_k = _rows(kb, nr, 0, H * K, o_k, BT, False)
-    a_q = _rows(qb, nr, 0, H * K, o_k, BT, False)
-    a_g = _rows(gcb, nr, 0, HV * K, o_k, BT, True)
-    a_b = tl.load(bb + o_t * HV, mask=o_t < nr, other=0.).to(tl.float32)
-    early = o_t < r0
-    late = (o_t >= r0 + 16) & (o_t < nr)
-    # selected, not multiplied: exp of the other rows' differences may overflow
+    # the chunk's other rows, only those a side reads (k and G: earlier and later; q: later); the rest read 0 and are
+    # selected away below, never multiplied in: exp of the other rows' differences may overflow
+    o_t = tl.arange(0, BT)
+    side = (early | late)[:, None]
+    a_k = tl.load(kb + o_t[:, None] * (H * K) + o_k[None, :], mask=side, other=0.).to(tl.float32)
+    a_q = tl.load(qb + o_t[:, None] * (H * K) + o_k[None, :], mask=late[:, None], other=0.).to(tl.float32)
+    a_g = tl.load(gcb + o_t[:, None] * (HV * K) + o_k[None, :], mask=side, other=0.)
     kg = tl.where(early[:, None], a_k * tl.exp(gn[None, :] - a_g), 0.)
     el = tl.where(late[:, None], tl.exp(a_g - gl[None, :]), 0.)
-    # this sub-block's rows of M over the earlier columns, and its columns over the later rows (loaded transposed)
-    r_off = r[:, None] * (HV * BT) + o_t[None, :]
-    c_off = o_t[None, :] * (HV * BT) + r[:, None]
-    mr = m[:, None] & early[None, :]
-    mc = late[None, :]
-    rq = _tdot(tl.load(mqb + r_off, mask=mr, other=0.), kg, DT, INTERPRET)
-    rl = _tdot(tl.load(mlb + r_off, mask=mr, other=0.), kg, DT, INTERPRET)
-    cq = _tdot(tl.load(mqb + c_off, mask=mc, other=0.), a_q * el, DT, INTERPRET)
-    cl = _tdot(tl.load(mlb + c_off, mask=mc, other=0.), (a_b[:, None] * a_k) * el, DT, INTERPRET)
+    rq = _tdot(s_rq, kg, DT, INTERPRET)
+    rl = _tdot(s_rl, kg, DT, INTERPRET)
+    cq = _tdot(s_cq, a_q * el, DT, INTERPRET)
+    cl = _tdot(s_cl, (a_b[:, None] * a_k) * el, DT, INTERPRET)
     eq = tl.exp(b_g - gn[None, :])
     ek = tl.exp(gl[None, :] - b_g)
     rq *= eq
@@ -708,9 +737,6 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     em = tl.exp(tl.minimum(b_g - gm[None, :], DIAG_SPAN))
     en = tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN))
     low = o[:, None] > o[None, :]
-    ml = _mblk(mlb, nr, r0, r0, BT, HV * BT, False)
-    mqt = _mblk(mqb, nr, r0, r0, BT, HV * BT, True)
-    mlt = _mblk(mlb, nr, r0, r0, BT, HV * BT, True)
     kd = b_k * en
     rq += tl.where(diag_ok, _xdot(tl.where(low, mq, 0.), kd, DT, INTERPRET) * em, 0.)
     rl += tl.where(diag_ok, _xdot(tl.where(low, ml, 0.), kd, DT, INTERPRET) * em, 0.)

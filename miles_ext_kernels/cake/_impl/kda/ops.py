@@ -131,9 +131,10 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     gc = torch.empty(Tt, HV, K, dtype=torch.float32, device=device)
     A = torch.empty(Tt, HV, BT, dtype=dt, device=device)
     Aqk = torch.empty(Tt, HV, BT, dtype=dt, device=device)
-    launch(kn.fwd_gate_kernel, (P, HV), g=gd, A_log=al, dt_bias=db, se=se, table=table, gc=gc,
-           lower_bound=float(lower_bound), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["gate"]["BK"]), GATE=gate,
-           **_cfg(tab, "gate"))
+    gk = min(K, tab["gate"]["BK"])
+    gs = min(K // gk, tab["gate"]["SPLIT"])
+    launch(kn.fwd_gate_kernel, (P, HV, gs), g=gd, A_log=al, dt_bias=db, se=se, table=table, gc=gc,
+           lower_bound=float(lower_bound), H=H, HV=HV, K=K, BT=BT, BK=gk, SPLIT=gs, GATE=gate, **_cfg(tab, "gate"))
     Ls = _ws("Ls", (Tt, HV, BT), torch.float32, device)
     launch(kn.fwd_grams_kernel, (P * 4, HV), q=qn, k=kk, gc=gc, beta=bf, se=se, table=table, Aqk=Aqk, Ls=Ls,
            scale=float(scale), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["grams"]["BK"]), INTERPRET=INTERPRET,
