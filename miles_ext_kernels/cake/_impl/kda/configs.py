@@ -8,7 +8,8 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
   0.42 ms against 0.50 in one program, H100, same bits; BK changes the scan's bits).
 - grams: one program per chunk and 16-row sub-block (1 warp, BK = 32; with the diagonal sub-block's tensor-core
   product: 1.69 ms against 2.62 at 2 warps; before it, 3.5 ms at 1 warp, 4.2 at 2, 4.5 at 4).
-- inv: the block inverse per chunk.
+- inv: the block inverse per chunk (2 warps: 0.398 ms against 0.430 at 4, H100, same bits).
+- wu: w and u per chunk (8 warps: 0.634 ms against 0.673 at gdn's 4, H100, same bits).
 - dense: the backward's plain matmuls per chunk, BK-wide key slices (32: 3.6 ms, 64: 3.8 with 280 B spilled).
 - intra: the backward's decay-weighted in-chunk products, one program per chunk, key slice and sub-block (one
   product per side and the tensor-core diagonal: BK = 32 at 2 warps 5.9 ms; 4 warps capped at 168 registers 7.1,
@@ -32,7 +33,8 @@ from ..delta_rule import tables
 CFG = tables.table(
     gate=dict(num_warps=4, BK=64, SPLIT=2),
     grams=dict(num_warps=1, BK=32),
-    inv=dict(num_warps=4),
+    inv=dict(num_warps=2),
+    wu=dict(num_warps=8),
     h=dict(num_warps=8, num_stages=2, BV=128),
     dense=dict(num_warps=8, BK=32),
     intra=dict(num_warps=2, BK=32),
