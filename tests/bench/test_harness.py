@@ -82,8 +82,9 @@ def test_every_benchmark_is_dry_run_here():
     # host.py re-times the declarations below on tiny shapes (its own test: test_host_declares_every_op_tiny)
     # step.py times a layer stack per stack and run, not a declaration (its own test: test_step_dry_run)
     # host_profile.py profiles host.py's declarations (its own test: test_host_profile_without_launches)
+    # kda_profile.py / cp_profile.py: per-kernel GPU profiles of bench/kda.py's and bench/cp.py's calls (GPU only)
     files = {p.stem for p in BENCH.glob("*.py")} - {"_common", "plot", "ab", "sass", "model", "kda_sass", "kda_profile",
-                                                    "host", "host_profile", "cp_nccl", "step"}
+                                                    "cp_profile", "host", "host_profile", "cp_nccl", "step"}
     assert files == set(ON_CPU), "a bench/<op>.py is missing from ON_CPU (or ON_CPU names a file that is gone)"
 
 
