@@ -4,17 +4,19 @@ sm_90a: the in-chunk kernels' entries were chosen on an H200 (torch 2.11, triton
 x 2048 tokens, H = HV = 32, K = V = 128 (`bench/kda_profile.py --cfg`, bench/NOTES.md kda v4); the other entries are
 gdn's swept table (less gdn's prep, dq / dk / dw and WY entries: kernels kda does not have). The in-chunk kernels are
 latency-bound: fewer registers per program (more programs per SM) won over wider tiles in every pair measured.
-- gate BK: the gate and in-chunk cumsum of the log decay in BK-wide key slices; SPLIT programs per chunk along K (2:
-  0.42 ms against 0.50 in one program, H100, same bits; BK changes the scan's bits).
+- gate BK: the gate and in-chunk cumsum of the log decay in BK-wide key slices; SPLIT programs per chunk along K (BK
+  32 in 4 programs: 0.345 ms against 0.388 at BK 64 in 2, H200; BK changes the scan's bits).
 - grams: one program per chunk and 16-row sub-block (1 warp, BK = 32; with the diagonal sub-block's tensor-core
   product: 1.69 ms against 2.62 at 2 warps; before it, 3.5 ms at 1 warp, 4.2 at 2, 4.5 at 4).
 - inv: the block inverse per chunk (2 warps: 0.398 ms against 0.430 at 4, H100, same bits).
 - wu: w and u per chunk (8 warps: 0.634 ms against 0.673 at gdn's 4, H100, same bits).
-- dense: the backward's plain matmuls per chunk, BK-wide key slices (32: 3.6 ms, 64: 3.8 with 280 B spilled).
+- dense: the backward's plain matmuls per chunk, BK-wide key slices (32: 3.6 ms, 64: 3.8 with 280 B spilled); its
+  slice loop pipelined 4 deep (num_stages 4: 3.29 ms against 3.59 at 2, 3.33 at 3, H200, same bits).
 - intra: the backward's decay-weighted in-chunk products, one program per chunk, key slice and sub-block (one
   product per side and the tensor-core diagonal: BK = 32 at 2 warps 5.9 ms; 4 warps capped at 168 registers 7.1,
   2 warps capped at 168 6.7; bench/NOTES.md kda v5 has the wider sweep).
-- dg: the reverse scan of dG and the gate's backward per chunk, BK-wide key slices.
+- dg: the reverse scan of dG and the gate's backward per chunk, BK-wide key slices (4 warps: 1.42 ms against 1.55
+  at 8, H200).
 - "h" takes 2 stages (3 need 246 784 B of shared memory, over the H200's 232 448: the G^T tile of a vector gate is
   pipelined too).
 - maxnreg (any entry, optional): a per-thread register cap for that kernel (launch option); none set.
@@ -31,12 +33,12 @@ from ..delta_rule import tables
 
 # gdn's table with the entries above changed (the other entries: `_impl/delta_rule/tables.SWEPT`)
 CFG = tables.table(
-    gate=dict(num_warps=4, BK=64, SPLIT=2),
+    gate=dict(num_warps=4, BK=32, SPLIT=4),
     grams=dict(num_warps=1, BK=32),
     inv=dict(num_warps=2),
     wu=dict(num_warps=8),
     h=dict(num_warps=8, num_stages=2, BV=128),
-    dense=dict(num_warps=8, BK=32),
+    dense=dict(num_warps=8, BK=32, num_stages=4),
     intra=dict(num_warps=2, BK=32),
     dg=dict(num_warps=4, BK=64),
     gate_sum=dict(num_warps=4, BP=32, BN=128),
