@@ -319,9 +319,10 @@ def bwd_dvl_kernel(q, k, do, gc, se, table, dvl, scale, H, HV, K: tl.constexpr, 
 @triton.jit(do_not_specialize=["H", "HV"])
 def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  STORE_DHE: tl.constexpr, INTERPRET: tl.constexpr):
     """Reverse state recurrence: dhe[slot] = d(state at the chunk end); dd = full d(dlt) (dvl, its in-chunk part
-    from bwd_dvl_kernel, plus the state's); dh0."""
+    from bwd_dvl_kernel, plus the state's); dh0. STORE_DHE off: only dh0 (context parallelism's extra pass, whose
+    dhe and dd the op's own pass would overwrite)."""
     iv, n, hv, hk, bos, eos, nt, slot0 = _seq_program(se, H, HV, BT)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -333,7 +334,8 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: 
         t0 = bos + ic * BT
         rows = t0 + o_t
         m = rows < eos
-        _store_slot(dhe, slot0 + ic, hv, HV, o_k, o_v, b_dh, K, V, DT, INTERPRET)
+        if STORE_DHE:
+            _store_slot(dhe, slot0 + ic, hv, HV, o_k, o_v, b_dh, K, V, DT, INTERPRET)
         last = tl.minimum(t0 + BT, eos) - 1
         g_last = tl.load(gc + last * HV + hv)
         b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
@@ -346,7 +348,8 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: 
                         other=0.).to(tl.float32)
         b_dd = b_dvl + _dot(b_kd, _rnd(b_dh, DT, INTERPRET), INTERPRET)
         b_dd = _rnd(b_dd, DT, INTERPRET)
-        tl.store(dd + rows[:, None] * (HV * V) + hv * V + o_v[None, :], b_dd, mask=m[:, None])
+        if STORE_DHE:
+            tl.store(dd + rows[:, None] * (HV * V) + hv * V + o_v[None, :], b_dd, mask=m[:, None])
         b_qt = _rnd((b_qr.to(tl.float32) * tl.where(m, tl.exp(b_gc) * scale, 0.)[None, :]), DT, INTERPRET)
         b_wt = tl.load(w + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)
         b_dh = b_dh * tl.exp(g_last) + _dot(b_qt, b_do, INTERPRET) - _dot(b_wt, b_dd, INTERPRET)

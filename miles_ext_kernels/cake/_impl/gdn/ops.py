@@ -188,7 +188,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
     launch(kn.bwd_dvl_kernel, grid, q=qn, k=kk, do=do, gc=gc, se=se, table=table, dvl=dvl, scale=float(scale), H=H,
            HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
 
-    def run_dh(se_x, dht_x, want_dh0):
+    def run_dh(se_x, dht_x, want_dh0, store=True):
         n = se_x.shape[0]
         dhe = _ws("dhe", (P, HV, K, V), dt, device)
         dd = _ws("dd", (Tt, HV, V), dt, device)
@@ -197,12 +197,12 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
         launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
                dht=dht_x if dht_x is not None else gc, dh0=dh0 if want_dh0 else gc, dhe=dhe, dd=dd,
                scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dht_x is not None,
-               STORE_DH0=want_dh0, INTERPRET=INTERPRET, **_cfg(tab, cname))
+               STORE_DH0=want_dh0, STORE_DHE=store, INTERPRET=INTERPRET, **_cfg(tab, cname))
         return dhe, dd, dh0
 
     if cp is not None:
         dht = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x: run_dh(se_x, None,
-                                                                                                 True)[2])
+                                                                                                 True, False)[2])
     want_dh0 = initial_state is not None and cp is None
     dhe, dd, dh0 = run_dh(se, _c(dht.to(torch.float32), "dht") if dht is not None else None, want_dh0)
     pdt = _pdt(tab, dt)

@@ -222,7 +222,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     launch(kn.bwd_dvl_kernel, grid, Aqk=Aqk, do=do, vn=vn, se=se, table=table, dvl=dvl, dAqk=dAqk,
            scale=float(scale), H=H, HV=HV, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
 
-    def run_dh(se_x, dht_x, dh0_shape):
+    def run_dh(se_x, dht_x, dh0_shape, store=True):
         n = se_x.shape[0]
         dhe = _ws("dhe", (P, HV, K, V), dt, device)
         dd = _ws("dd", (Tt, HV, V), dt, device)
@@ -231,12 +231,13 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
         launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
                dht=dht_x if dht_x is not None else gc, dh0=dh0 if dh0 is not None else gc, dhe=dhe, dd=dd,
                scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dht_x is not None,
-               STORE_DH0=dh0 is not None, TRANS_STATE=trans_state, INTERPRET=INTERPRET, **_cfg(tab, cname))
+               STORE_DH0=dh0 is not None, STORE_DHE=store, TRANS_STATE=trans_state, INTERPRET=INTERPRET,
+               **_cfg(tab, cname))
         return dhe, dd, dh0
 
     if cp is not None:
         dht = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x: run_dh(
-            se_x, None, (se_x.shape[0], HV, K, V))[2])
+            se_x, None, (se_x.shape[0], HV, K, V), False)[2])
     want_dh0 = initial_state is not None and cp is None
     dhe, dd, dh0 = run_dh(se, _c(dht.to(torch.float32), "dht") if dht is not None else None,
                           initial_state.shape if want_dh0 else None)
