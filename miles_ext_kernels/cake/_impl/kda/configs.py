@@ -17,6 +17,7 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
   2 warps capped at 168 6.7; bench/NOTES.md kda v5 has the wider sweep).
 - dg: the reverse scan of dG and the gate's backward per chunk, BK-wide key slices (4 warps: 1.42 ms against 1.55
   at 8, H200).
+- o BV (optional, default V): the output kernel in BV-wide value slices (grid axis 2), for a sweep; not timed yet.
 - "h" takes 2 stages (3 need 246 784 B of shared memory, over the H200's 232 448: the G^T tile of a vector gate is
   pipelined too).
 - maxnreg (any entry, optional): a per-thread register cap for that kernel (launch option); none set.

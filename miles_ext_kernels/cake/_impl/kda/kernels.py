@@ -449,10 +449,11 @@ def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.c
 
 @triton.jit(do_not_specialize=["H", "HV"])
 def fwd_o_kernel(q, gc, Aqk, vn, h, se, table, o, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
-                 BT: tl.constexpr, INTERPRET: tl.constexpr):
-    """o = scale (q * exp(G)) h + Aqk dlt per chunk."""
+                 BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr):
+    """o = scale (q * exp(G)) h + Aqk dlt per chunk and BV-wide slice of V (grid axis 2)."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
+    iv = tl.program_id(2)
     n = tl.load(table + 2 * p)
     if n < 0:
         return
@@ -461,7 +462,7 @@ def fwd_o_kernel(q, gc, Aqk, vn, h, se, table, o, scale, H, HV, K: tl.constexpr,
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
+    o_v = iv * BV + tl.arange(0, BV)
     rows = bos + ic * BT + o_t
     m = rows < eos
     b_q = tl.load(q + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)

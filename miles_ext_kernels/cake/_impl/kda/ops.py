@@ -167,8 +167,9 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
                                                                       False)[2])
     h, vn, ht = run_state(se, u, h0, N, V, output_final_state, True)
     o = torch.empty(B, T, HV, V, dtype=dt, device=device)
-    launch(kn.fwd_o_kernel, (P, HV), q=qn, gc=gc, Aqk=Aqk, vn=vn, h=h, se=se, table=table, o=o, scale=float(scale),
-           H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "o"))
+    ov = min(V, tab["o"].get("BV", V))
+    launch(kn.fwd_o_kernel, (P, HV, V // ov), q=qn, gc=gc, Aqk=Aqk, vn=vn, h=h, se=se, table=table, o=o,
+           scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BV=ov, INTERPRET=INTERPRET, **_cfg(tab, "o"))
     if not use_l2:
         qn, kk = core.empty0(device, dt), core.empty0(device, dt)
     res = (o, ht, qn, kk, gc, A, Aqk, w, h, vn, se, table)
