@@ -8,7 +8,9 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
   32 in 4 programs: 0.345 ms against 0.388 at BK 64 in 2, H200; BK changes the scan's bits).
 - grams: one program per chunk and 16-row sub-block (1 warp, BK = 32; with the diagonal sub-block's tensor-core
   product: 1.69 ms against 2.62 at 2 warps; before it, 3.5 ms at 1 warp, 4.2 at 2, 4.5 at 4).
-- inv: the block inverse per chunk (2 warps: 0.398 ms against 0.430 at 4, H100, same bits).
+- inv: the block inverse per chunk (2 warps: 0.398 ms against 0.430 at 4, H100, same bits). TC (optional, default
+  off): its 16 x 16 products in 3xTF32 on the tensor cores instead of exact fp32 on the FMA units (other bits; for the
+  next sweep, not timed).
 - wu: w and u per chunk (8 warps: 0.634 ms against 0.673 at gdn's 4, H100, same bits).
 - dense: the backward's plain matmuls per chunk, BK-wide key slices (32: 3.6 ms, 64: 3.8 with 280 B spilled); its
   slice loop pipelined 4 deep (num_stages 4: 3.29 ms against 3.59 at 2, 3.33 at 3, H200, same bits).

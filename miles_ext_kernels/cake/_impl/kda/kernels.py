@@ -319,8 +319,9 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.con
 
 
 @triton.jit(do_not_specialize=["HV"])
-def fwd_inv_kernel(Ls, se, table, A, HV, BT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Per chunk: A = (I + L)^-1 from L's 16 x 16 blocks (fwd_grams_kernel's Ls; gdn's block inverse)."""
+def fwd_inv_kernel(Ls, se, table, A, HV, BT: tl.constexpr, TC: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per chunk: A = (I + L)^-1 from L's 16 x 16 blocks (fwd_grams_kernel's Ls; gdn's block inverse), its 16 x 16
+    products in exact fp32 or, with TC, 3xTF32 on the tensor cores (`_dot32`)."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.load(table + 2 * p)
@@ -363,16 +364,16 @@ def fwd_inv_kernel(Ls, se, table, A, HV, BT: tl.constexpr, INTERPRET: tl.constex
         L31 = tl.where(x3[:, None], 0., L31)
         L32 = tl.where(x3[:, None], 0., L32)
         L33 = tl.where(x3[:, None], 0., L33)
-    A00 = _inv_unit_lower(L00)
-    A11 = _inv_unit_lower(L11)
-    A22 = _inv_unit_lower(L22)
-    A33 = _inv_unit_lower(L33)
-    A10 = -_dot32(_dot32(A11, L10), A00)
-    A21 = -_dot32(_dot32(A22, L21), A11)
-    A32 = -_dot32(_dot32(A33, L32), A22)
-    A20 = -_dot32(A22, _dot32(L20, A00) + _dot32(L21, A10))
-    A31 = -_dot32(A33, _dot32(L31, A11) + _dot32(L32, A21))
-    A30 = -_dot32(A33, _dot32(L30, A00) + _dot32(L31, A10) + _dot32(L32, A20))
+    A00 = _inv_unit_lower(L00, TC)
+    A11 = _inv_unit_lower(L11, TC)
+    A22 = _inv_unit_lower(L22, TC)
+    A33 = _inv_unit_lower(L33, TC)
+    A10 = -_dot32(_dot32(A11, L10, TC), A00, TC)
+    A21 = -_dot32(_dot32(A22, L21, TC), A11, TC)
+    A32 = -_dot32(_dot32(A33, L32, TC), A22, TC)
+    A20 = -_dot32(A22, _dot32(L20, A00, TC) + _dot32(L21, A10, TC), TC)
+    A31 = -_dot32(A33, _dot32(L31, A11, TC) + _dot32(L32, A21, TC), TC)
+    A30 = -_dot32(A33, _dot32(L30, A00, TC) + _dot32(L31, A10, TC) + _dot32(L32, A20, TC), TC)
     _store_strip(A, t0, eos, 0, hv, HV, A00, z, z, z, f, BT, INTERPRET)
     _store_strip(A, t0, eos, 16, hv, HV, A10, A11, z, z, f, BT, INTERPRET)
     _store_strip(A, t0, eos, 32, hv, HV, A20, A21, A22, z, f, BT, INTERPRET)

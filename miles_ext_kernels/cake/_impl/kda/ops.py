@@ -139,8 +139,8 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     launch(kn.fwd_grams_kernel, (P * 4, HV), q=qn, k=kk, gc=gc, beta=bf, se=se, table=table, Aqk=Aqk, Ls=Ls,
            scale=float(scale), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["grams"]["BK"]), INTERPRET=INTERPRET,
            **_cfg(tab, "grams"))
-    launch(kn.fwd_inv_kernel, (P, HV), Ls=Ls, se=se, table=table, A=A, HV=HV, BT=BT, INTERPRET=INTERPRET,
-           **_cfg(tab, "inv"))
+    launch(kn.fwd_inv_kernel, (P, HV), Ls=Ls, se=se, table=table, A=A, HV=HV, BT=BT, TC=tab["inv"].get("TC", False),
+           INTERPRET=INTERPRET, **_cfg(tab, "inv"))
     w = torch.empty(Tt, HV, K, dtype=dt, device=device)
     # under CP, u outlives the exchange (other ranks' stages may run in between): no scratch
     u = _ws("u", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
