@@ -50,6 +50,7 @@ def layouts():
         "12 irregular docs Hq24/Hkv4": (irregular_lengths(), 24, 4),
         "1x32768 Hq16/Hkv2": ([32768], 16, 2),
         "256x128 Hq16/Hkv2": ([128] * 256, 16, 2),
+        "1024x32 Hq16/Hkv2": ([32] * 1024, 16, 2),  # 32-token documents: a quarter of a 128-row tile
         "4x8192 Hq32/Hkv4": ([8192] * 4, 32, 4),
         "16x2048 Hq24/Hkv4 (Qwen3.5-27B)": ([2048] * 16, 24, 4),
         "16x2048 Hq3/Hkv1 (27B, TP-8 rank)": ([2048] * 16, 3, 1),
