@@ -110,8 +110,9 @@ def test_diagonal_sub_blocks_elementwise_past_the_span_exact_in_fp32(decay):
 @pytest.mark.parametrize("bk, narrow", [(16, False), (8, True)])
 def test_k_slices_and_narrow_state_tiles(bk, narrow, monkeypatch):
     """The gate, the grams, the dense backward, the in-chunk backward and the dg backward in K slices (each slice
-    its own key dimensions; the grams, dbeta, dA and dA_log's terms add up over them), and the state kernels' narrow
-    tiles (two V blocks) match FP64 in fp32."""
+    its own key dimensions; the grams, dbeta, dA and dA_log's terms add up over them), the state kernels' narrow
+    tiles (two V blocks), the output kernel in two V slices and the inverse's products through the 3xTF32 route
+    (exact in the interpreter: this checks the route's indexing) match FP64 in fp32."""
     for name in ("gate", "grams"):
         monkeypatch.setitem(configs.CFG, name, dict(configs.CFG[name], BK=bk))
     monkeypatch.setitem(configs.CFG, "dense", dict(configs.CFG["dense"], BK=bk))
@@ -119,6 +120,11 @@ def test_k_slices_and_narrow_state_tiles(bk, narrow, monkeypatch):
     monkeypatch.setitem(configs.CFG, "dg", dict(configs.CFG["dg"], BK=bk))
     monkeypatch.setitem(configs.CFG, "h_narrow", dict(configs.CFG["h_narrow"], BV=16))
     monkeypatch.setitem(configs.CFG, "dh_narrow", dict(configs.CFG["dh_narrow"], BV=16))
+    monkeypatch.setitem(configs.CFG, "o", dict(configs.CFG["o"], BV=16))
+    monkeypatch.setitem(configs.CFG, "inv", dict(configs.CFG["inv"], TC=True))
+    labels = [r.label for r in ops.routes(32, 32)]  # the switches reach the launches
+    assert any(lab.startswith("fwd_o_kernel[") and "BV=16" in lab for lab in labels)
+    assert any(lab.startswith("fwd_inv_kernel[") and "TC=True" in lab for lab in labels)
     monkeypatch.setattr(configs, "NARROW_BELOW", 1 << 30 if narrow else 0)
     assert ops._state_cfg(configs.CFG, "h", 32, 2) == (("h_narrow", 16) if narrow else ("h", 32))
     inp = demo_mod.make_inputs([70], 1, 2, 32, 32, "cpu", gate="softplus", seed=3)
