@@ -81,8 +81,8 @@ def profile_variant(cfg, fla=False):
         torch.cuda.synchronize()
     rows = [(e.key, e.device_time_total / N / 1e3, e.count // N) for e in prof.key_averages()
             if e.device_time_total > 0]
-    name = "fla" if fla else f"cfg {cfg}"
-    print(f"{name} lens {args.lens} gate {args.gate}: total {sum(r[1] for r in rows):.3f} ms/step", flush=True)
+    label = "fla" if fla else f"cfg {cfg}"
+    print(f"{label} lens {args.lens} gate {args.gate}: total {sum(r[1] for r in rows):.3f} ms/step", flush=True)
     for name, ms, calls in sorted(rows, key=lambda r: -r[1])[:20]:
         print(f"{ms:9.3f} ms/step  x{calls:<3d} {name[:90]}", flush=True)
     if args.same_bits and not fla:

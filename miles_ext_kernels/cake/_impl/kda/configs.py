@@ -8,8 +8,8 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
   32 in 4 programs: 0.345 ms against 0.388 at BK 64 in 2, H200; BK changes the scan's bits).
 - grams: one program per chunk and 16-row sub-block (1 warp, BK = 32; with the diagonal sub-block's tensor-core
   product: 1.69 ms against 2.62 at 2 warps; before it, 3.5 ms at 1 warp, 4.2 at 2, 4.5 at 4).
-- inv: the block inverse per chunk (2 warps: 0.398 ms against 0.430 at 4, H100, same bits). TC (optional, default
-  off): its 16 x 16 products in 3xTF32 on the tensor cores instead of exact fp32 on the FMA units (other bits; for the
+- inv: the block inverse per chunk (2 warps: 0.398 ms against 0.430 at 4, H100, same bits). TC (off): its 16 x 16
+  products in 3xTF32 on the tensor cores instead of exact fp32 on the FMA units (other bits; for the
   next sweep, not timed).
 - wu: w and u per chunk (8 warps: 0.634 ms against 0.673 at gdn's 4, H100, same bits).
 - dense: the backward's plain matmuls per chunk, BK-wide key slices (32: 3.6 ms, 64: 3.8 with 280 B spilled); its
@@ -19,7 +19,8 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
   2 warps capped at 168 6.7; bench/NOTES.md kda v5 has the wider sweep).
 - dg: the reverse scan of dG and the gate's backward per chunk, BK-wide key slices (4 warps: 1.42 ms against 1.55
   at 8, H200).
-- o BV (optional, default V): the output kernel in BV-wide value slices (grid axis 2), for a sweep; not timed yet.
+- o BV: the output kernel in BV-wide value slices (grid axis 2; 128: one slice at the served V <= 128); BV 64 is
+  for the next sweep, not timed yet.
 - "h" takes 2 stages (3 need 246 784 B of shared memory, over the H200's 232 448: the G^T tile of a vector gate is
   pipelined too).
 - maxnreg (any entry, optional): a per-thread register cap for that kernel (launch option); none set.
@@ -38,7 +39,8 @@ from ..delta_rule import tables
 CFG = tables.table(
     gate=dict(num_warps=4, BK=32, SPLIT=4),
     grams=dict(num_warps=1, BK=32),
-    inv=dict(num_warps=2),
+    inv=dict(num_warps=2, TC=False),
+    o=dict(num_warps=4, BV=128),
     wu=dict(num_warps=8),
     h=dict(num_warps=8, num_stages=2, BV=128),
     dense=dict(num_warps=8, BK=32, num_stages=4),

@@ -139,7 +139,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     launch(kn.fwd_grams_kernel, (P * 4, HV), q=qn, k=kk, gc=gc, beta=bf, se=se, table=table, Aqk=Aqk, Ls=Ls,
            scale=float(scale), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["grams"]["BK"]), INTERPRET=INTERPRET,
            **_cfg(tab, "grams"))
-    launch(kn.fwd_inv_kernel, (P, HV), Ls=Ls, se=se, table=table, A=A, HV=HV, BT=BT, TC=tab["inv"].get("TC", False),
+    launch(kn.fwd_inv_kernel, (P, HV), Ls=Ls, se=se, table=table, A=A, HV=HV, BT=BT, TC=tab["inv"]["TC"],
            INTERPRET=INTERPRET, **_cfg(tab, "inv"))
     w = torch.empty(Tt, HV, K, dtype=dt, device=device)
     # under CP, u outlives the exchange (other ranks' stages may run in between): no scratch
@@ -167,7 +167,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
                                                                       False)[2])
     h, vn, ht = run_state(se, u, h0, N, V, output_final_state, True)
     o = torch.empty(B, T, HV, V, dtype=dt, device=device)
-    ov = min(V, tab["o"].get("BV", V))
+    ov = core.block_v(tab, "o", V)
     launch(kn.fwd_o_kernel, (P, HV, V // ov), q=qn, gc=gc, Aqk=Aqk, vn=vn, h=h, se=se, table=table, o=o,
            scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BV=ov, INTERPRET=INTERPRET, **_cfg(tab, "o"))
     if not use_l2:
