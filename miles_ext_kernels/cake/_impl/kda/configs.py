@@ -18,7 +18,7 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
   product per side and the tensor-core diagonal: BK = 32 at 2 warps 5.9 ms; 4 warps capped at 168 registers 7.1,
   2 warps capped at 168 6.7; bench/NOTES.md kda v5 has the wider sweep).
 - dg: the reverse scan of dG and the gate's backward per chunk, BK-wide key slices (4 warps: 1.42 ms against 1.55
-  at 8, H200).
+  at 8, H200; BK 32: 1.37 ms against 1.56 at BK 64, 1.89 at 128 / 8 warps, H100; BK changes dg's bits by ~2e-7).
 - o BV: the output kernel in BV-wide value slices (grid axis 2; 128: one slice at the served V <= 128; BV 64: 1.04
   ms against 0.74, H100, same bits).
 - "h" takes 2 stages (3 need 246 784 B of shared memory, over the H200's 232 448: the G^T tile of a vector gate is
@@ -45,7 +45,7 @@ CFG = tables.table(
     h=dict(num_warps=8, num_stages=2, BV=128),
     dense=dict(num_warps=8, BK=32, num_stages=4),
     intra=dict(num_warps=2, BK=32),
-    dg=dict(num_warps=4, BK=64),
+    dg=dict(num_warps=4, BK=32),
     gate_sum=dict(num_warps=4, BP=32, BN=128),
 )
 for _name in ("prep", "dqkw", "wy"):  # gdn's kernels that kda does not launch
