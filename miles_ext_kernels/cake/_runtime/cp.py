@@ -196,14 +196,29 @@ class CPContext:
     def n_import(self) -> int:
         return len(self.import_slots[self.rank])
 
+    def export_split(self) -> tuple:
+        """(positions, local documents) of this rank's exporting pieces that also import, then of those that start
+        their document, as int64 tensors: the first need E and M from the extra state pass, the second only E (their
+        M would multiply a zero state; the state chain never reads it)."""
+        if "export_split" not in self._cache:
+            both, first = [], []
+            for pos, seg in enumerate(self.export_slots[self.rank]):
+                (both if self.pieces[seg].imports else first).append((pos, seg))
+            self._cache["export_split"] = tuple(torch.tensor([x[i] for x in group], dtype=torch.int64,
+                                                             device=self.device)
+                                                for group in (both, first) for i in (0, 1))
+        return self._cache["export_split"]
+
     def state_chain(self) -> torch.Tensor:
         """int64 [n_import, L, 2]: per importing piece, the (E, M) flat export slots of its document's earlier
-        pieces in recurrence order (-1 pads): S <- M S + E from S = 0."""
+        pieces in recurrence order (-1 pads; the document's first piece has no M: S = 0 before it):
+        S <- M S + E from S = 0."""
         if "fwd_chain" not in self._cache:
             rows = []
             for p in self.pieces:
                 if p.imports:
-                    rows.append([(self._slot(q, "export"),) * 2 for q in self._doc_pieces(p.doc)[:p.index]])
+                    rows.append([(self._slot(q, "export"), self._slot(q, "export") if q.imports else -1)
+                                 for q in self._doc_pieces(p.doc)[:p.index]])
             self._cache["fwd_chain"] = _padded(rows, self.device)
         return self._cache["fwd_chain"]
 

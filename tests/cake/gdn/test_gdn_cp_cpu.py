@@ -85,8 +85,13 @@ def test_plan_pieces_and_tables():
     assert pieces[1][0].imports and pieces[1][0].exports
     ctx = rcp.simulated_contexts([0, 200, 200, 240], 3)[2]
     assert ctx.cu_seqlens.tolist() == [0, 40, 80]
-    # piece (doc 0, [160, 200)) folds pieces [0, 80) then [80, 160): slots of rank 0 then rank 1 (one per rank)
-    assert ctx.state_chain().tolist() == [[[0, 0], [1, 1]]]
+    # piece (doc 0, [160, 200)) folds pieces [0, 80) then [80, 160): slots of rank 0 then rank 1 (one per rank);
+    # the document's first piece brings E only (no M: the state before it is zero)
+    assert ctx.state_chain().tolist() == [[[0, -1], [1, 1]]]
+    ranks = rcp.simulated_contexts([0, 200, 200, 240], 3)
+    # the extra state pass: rank 0's piece (a document's first) for E over V columns, rank 1's for E and M
+    assert [t.tolist() for t in ranks[0].export_split()] == [[], [], [0], [0]]
+    assert [t.tolist() for t in ranks[1].export_split()] == [[0], [0], [], []]
     assert ctx.grad_chain().tolist() == [[[-1, -1]]] or ctx.n_export == 0
     zz, _ = rcp.plan([0, 8], 2, "zigzag")
     assert [(p.start, p.end) for p in zz[0]] == [(0, 2), (6, 8)]

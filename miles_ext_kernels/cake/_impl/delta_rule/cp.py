@@ -4,7 +4,8 @@ and backward (see `_runtime/cp.py` for the plan and the stage protocol).
 Forward, per rank: the pieces that export run the op's state recurrence once more, from [0 | I] with [u | 0] (V + K
 value columns; the kernel reads the zeros, nothing is stored but the final states). The delta rule's state is
 column-independent in V, so the first V columns end in E, the state from a zero start, and the last K in M, the
-piece's K x K transition -> one all_gather of [max_export, HV, K, V + K] fp32 -> each importing piece folds its
+piece's K x K transition; a document's first piece runs only the V columns (E: its M would multiply a zero state,
+so the state chain has none for it) -> one all_gather of [max_export, HV, K, V + K] fp32 -> each importing piece folds its
 document's earlier pieces, S <- M S + E, in fp32 and a fixed order (one launch per step) -> the op's own
 recurrence and output with S as the piece's initial state.
 Backward, per rank: after the in-chunk d(dlt), the pieces that import run the reverse recurrence from a zero end
@@ -85,12 +86,13 @@ def incoming_states(cp, se: torch.Tensor, u: torch.Tensor, HV: int, K: int, V: i
     device = u.device
     VX = V + K
     buf = torch.zeros(cp.max_export, HV, K, VX, dtype=torch.float32, device=device)
-    n_exp = cp.n_export
-    if n_exp:
-        se_x = se.index_select(0, cp.export_segs)
-        h0_x = torch.zeros(n_exp, HV, K, VX, dtype=torch.float32, device=device)
+    pos_both, seg_both, pos_first, seg_first = cp.export_split()
+    if seg_both.numel():  # pieces that import and export: E and M, u's V columns then K columns of 0
+        h0_x = torch.zeros(seg_both.numel(), HV, K, VX, dtype=torch.float32, device=device)
         h0_x[..., V:] = torch.eye(K, dtype=torch.float32, device=device)
-        buf[:n_exp] = run_state(se_x, u, h0_x, VX)  # u's V columns, then K columns of 0
+        buf[pos_both] = run_state(se.index_select(0, seg_both), u, h0_x, VX)
+    if seg_first.numel():  # a document's first piece: E only, over V columns from a zero state
+        buf[pos_first, :, :, :V] = run_state(se.index_select(0, seg_first), u, None, V)
     gathered = yield buf
     gathered = gathered.view(-1, HV, K, VX)
     h0 = None
@@ -119,10 +121,11 @@ def outgoing_grads(cp, se: torch.Tensor, gathered_fwd: torch.Tensor, HV: int, K:
 
 def route_plans(device="meta") -> list:
     """CP plans whose simulated ranks launch every CP specialization (an op's routes() runs them on meta tensors):
-    one exporting / importing piece per rank (the narrow state tiles), and 40 per rank (the wide ones)."""
+    one document over three ranks (a first, a middle and a last piece: the narrow state tiles), and 40 pieces per
+    rank (the wide ones; zigzag gives both first and middle pieces)."""
     from miles_ext_kernels.cake._runtime.cp import simulated_contexts
 
-    return [simulated_contexts([0, 96, 192], 3, device=device),
+    return [simulated_contexts([0, 192], 3, device=device),
             simulated_contexts(list(range(0, 4 * 41, 4)), 2, layout="zigzag", device=device)]
 
 
