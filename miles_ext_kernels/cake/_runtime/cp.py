@@ -201,12 +201,13 @@ class CPContext:
         their document, as int64 tensors: the first need E and M from the extra state pass, the second only E (their
         M would multiply a zero state; the state chain never reads it)."""
         if "export_split" not in self._cache:
-            both, first = [], []
-            for pos, seg in enumerate(self.export_slots[self.rank]):
-                (both if self.pieces[seg].imports else first).append((pos, seg))
-            self._cache["export_split"] = tuple(torch.tensor([x[i] for x in group], dtype=torch.int64,
-                                                             device=self.device)
-                                                for group in (both, first) for i in (0, 1))
+            slots = list(enumerate(self.export_slots[self.rank]))
+            split = []
+            for imports in (True, False):
+                group = [(pos, seg) for pos, seg in slots if self.pieces[seg].imports == imports]
+                split += [torch.tensor([pos for pos, _ in group], dtype=torch.int64, device=self.device),
+                          torch.tensor([seg for _, seg in group], dtype=torch.int64, device=self.device)]
+            self._cache["export_split"] = tuple(split)
         return self._cache["export_split"]
 
     def state_chain(self) -> torch.Tensor:

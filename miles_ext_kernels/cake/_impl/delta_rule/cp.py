@@ -5,8 +5,8 @@ Forward, per rank: the pieces that export run the op's state recurrence once mor
 value columns; the kernel reads the zeros, nothing is stored but the final states). The delta rule's state is
 column-independent in V, so the first V columns end in E, the state from a zero start, and the last K in M, the
 piece's K x K transition; a document's first piece runs only the V columns (E: its M would multiply a zero state,
-so the state chain has none for it) -> one all_gather of [max_export, HV, K, V + K] fp32 -> each importing piece folds its
-document's earlier pieces, S <- M S + E, in fp32 and a fixed order (one launch per step) -> the op's own
+so the state chain has none for it) -> one all_gather of [max_export, HV, K, V + K] fp32 -> each importing piece
+folds its document's earlier pieces, S <- M S + E, in fp32 and a fixed order (one launch per step) -> the op's own
 recurrence and output with S as the piece's initial state.
 Backward, per rank: after the in-chunk d(dlt), the pieces that import run the reverse recurrence from a zero end
 gradient: D, the gradient their start state gets -> one all_gather of [max_import, HV, K, V] fp32 -> each exporting
