@@ -196,19 +196,30 @@ class CPContext:
     def n_import(self) -> int:
         return len(self.import_slots[self.rank])
 
-    def export_split(self) -> tuple:
-        """(positions, local documents) of this rank's exporting pieces that also import, then of those that start
-        their document, as int64 tensors: the first need E and M from the extra state pass, the second only E (their
-        M would multiply a zero state; the state chain never reads it)."""
-        if "export_split" not in self._cache:
-            slots = list(enumerate(self.export_slots[self.rank]))
+    def _split(self, kind: str) -> tuple:
+        """(positions, local documents) of this rank's exporting (`kind` "export") or importing ("import") pieces
+        that do the other as well, then of those that do not, as int64 tensors."""
+        key = ("split", kind)
+        if key not in self._cache:
+            slots = list(enumerate((self.export_slots if kind == "export" else self.import_slots)[self.rank]))
             split = []
-            for imports in (True, False):
-                group = [(pos, seg) for pos, seg in slots if self.pieces[seg].imports == imports]
+            for both in (True, False):
+                group = [(pos, seg) for pos, seg in slots
+                         if (self.pieces[seg].imports if kind == "export" else self.pieces[seg].exports) == both]
                 split += [torch.tensor([pos for pos, _ in group], dtype=torch.int64, device=self.device),
                           torch.tensor([seg for _, seg in group], dtype=torch.int64, device=self.device)]
-            self._cache["export_split"] = tuple(split)
-        return self._cache["export_split"]
+            self._cache[key] = tuple(split)
+        return self._cache[key]
+
+    def export_split(self) -> tuple:
+        """`_split` of the exporting pieces: those that also import need E and M from the extra state pass, a
+        document's first piece only E (its M would multiply a zero state; the state chain never reads it)."""
+        return self._split("export")
+
+    def import_split(self) -> tuple:
+        """`_split` of the importing pieces: those that also export need D from the extra reverse pass, a document's
+        last piece takes D from its own reverse pass (its end gradient is zero)."""
+        return self._split("import")
 
     def state_chain(self) -> torch.Tensor:
         """int64 [n_import, L, 2]: per importing piece, the (E, M) flat export slots of its document's earlier

@@ -92,6 +92,9 @@ def test_plan_pieces_and_tables():
     # the extra state pass: rank 0's piece (a document's first) for E over V columns, rank 1's for E and M
     assert [t.tolist() for t in ranks[0].export_split()] == [[], [], [0], [0]]
     assert [t.tolist() for t in ranks[1].export_split()] == [[0], [0], [], []]
+    # the backward's D: rank 1's piece from the extra reverse pass, rank 2's (the document's last) from its own pass
+    assert [t.tolist() for t in ranks[1].import_split()] == [[0], [0], [], []]
+    assert [t.tolist() for t in ranks[2].import_split()] == [[], [], [0], [0]]
     assert ctx.grad_chain().tolist() == [[[-1, -1]]] or ctx.n_export == 0
     zz, _ = rcp.plan([0, 8], 2, "zigzag")
     assert [(p.start, p.end) for p in zz[0]] == [(0, 2), (6, 8)]

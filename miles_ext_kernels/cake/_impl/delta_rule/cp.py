@@ -9,7 +9,8 @@ so the state chain has none for it) -> one all_gather of [max_export, HV, K, V +
 folds its document's earlier pieces, S <- M S + E, in fp32 and a fixed order (one launch per step) -> the op's own
 recurrence and output with S as the piece's initial state.
 Backward, per rank: after the in-chunk d(dlt), the pieces that import run the reverse recurrence from a zero end
-gradient: D, the gradient their start state gets -> one all_gather of [max_import, HV, K, V] fp32 -> each exporting
+gradient: D, the gradient their start state gets (a document's last piece in its own pass, whose end gradient is
+zero; the others in an extra pass) -> one all_gather of [max_import, HV, K, V] fp32 -> each exporting
 piece folds its document's later pieces from the last back, G <- M^T G + D -> the op's reverse recurrence with G
 as the piece's final-state gradient. A rank sends 4 HV K (V + K) bytes per exporting piece forward and
 4 HV K V per importing piece backward (padded to the plan's maximum over ranks; it receives W times that),
@@ -104,19 +105,30 @@ def incoming_states(cp, se: torch.Tensor, u: torch.Tensor, HV: int, K: int, V: i
 
 def outgoing_grads(cp, se: torch.Tensor, gathered_fwd: torch.Tensor, HV: int, K: int, V: int, run_dh):
     """Stage generator (backward): yields this rank's [max_import, HV, K, V] buffer of D, receives the gathered one;
-    returns dht [N, HV, K, V] fp32 (None when no piece exports). run_dh(se_rows) runs the op's reverse recurrence
-    from a zero end gradient over the given sequences and returns the gradients of their start states
-    [n, HV, K, V] fp32."""
+    returns (dht [N, HV, K, V] fp32, None when no piece exports; se_own, the sequence table of the op's reverse pass
+    after the exchange). run_dh(se_rows, own) runs the op's reverse recurrence from a zero end gradient over the
+    given sequences and returns the gradients of their start states [n, HV, K, V] fp32; with `own` it is those
+    sequences' own pass (its per-chunk outputs stored). A document's last piece exports nothing, so its end gradient
+    is zero and its own pass, run here, gives its D; the pass after the exchange skips it (its row of se_own empty)."""
     device = gathered_fwd.device
     buf = torch.zeros(cp.max_import, HV, K, V, dtype=torch.float32, device=device)
-    if cp.n_import:
-        buf[:cp.n_import] = run_dh(se.index_select(0, cp.import_segs))
+    pos_both, seg_both, pos_last, seg_last = cp.import_split()
+    se_own = se
+    if seg_last.numel():
+        only_last = se.clone()  # every row but the last pieces' emptied (eos = bos): the kernels slot by row index
+        only_last[:, 1] = se[:, 0]
+        only_last[seg_last] = se[seg_last]
+        buf[pos_last] = run_dh(only_last, True).index_select(0, seg_last)
+        se_own = se.clone()
+        se_own[seg_last, 1] = se[seg_last, 0]
+    if seg_both.numel():
+        buf[pos_both] = run_dh(se.index_select(0, seg_both), False)
     gathered = (yield buf).view(-1, HV, K, V)
     if not cp.n_export:
-        return None
+        return None, se_own
     dht = torch.zeros(se.shape[0], HV, K, V, dtype=torch.float32, device=device)
     chain(gathered, gathered_fwd[..., V:], cp.grad_chain(), cp.export_segs, dht, V, trans=True)
-    return dht
+    return dht, se_own
 
 
 def route_plans(device="meta") -> list:

@@ -188,10 +188,13 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
     launch(kn.bwd_dvl_kernel, grid, q=qn, k=kk, do=do, gc=gc, se=se, table=table, dvl=dvl, scale=float(scale), H=H,
            HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
 
+    # under CP, a document's last piece runs its reverse pass before the exchange (other ranks' stages may run in
+    # between): no scratch for what it stores
+    dhe = _ws("dhe", (P, HV, K, V), dt, device) if cp is None else torch.empty(P, HV, K, V, dtype=dt, device=device)
+    dd = _ws("dd", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
+
     def run_dh(se_x, dht_x, want_dh0, store=True):
         n = se_x.shape[0]
-        dhe = _ws("dhe", (P, HV, K, V), dt, device)
-        dd = _ws("dd", (Tt, HV, V), dt, device)
         dh0 = torch.empty(n, HV, K, V, dtype=torch.float32, device=device) if want_dh0 else None
         cname, BV = _state_cfg(tab, "dh", V, n * HV)
         launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
@@ -200,11 +203,12 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
                STORE_DH0=want_dh0, STORE_DHE=store, INTERPRET=INTERPRET, **_cfg(tab, cname))
         return dhe, dd, dh0
 
+    se_own = se
     if cp is not None:
-        dht = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x: run_dh(se_x, None,
-                                                                                                 True, False)[2])
+        dht, se_own = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x, own: run_dh(
+            se_x, None, True, own)[2])
     want_dh0 = initial_state is not None and cp is None
-    dhe, dd, dh0 = run_dh(se, _c(dht.to(torch.float32), "dht") if dht is not None else None, want_dh0)
+    dhe, dd, dh0 = run_dh(se_own, _c(dht.to(torch.float32), "dht") if dht is not None else None, want_dh0)
     pdt = _pdt(tab, dt)
     dqv = _ws("dqv", (Tt, HV, K), pdt, device)
     kdt = _kdt(tab, dt)  # dk of dqkw, read back by the WY backward

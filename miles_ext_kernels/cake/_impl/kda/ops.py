@@ -223,10 +223,13 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     launch(kn.bwd_dvl_kernel, grid, Aqk=Aqk, do=do, vn=vn, se=se, table=table, dvl=dvl, dAqk=dAqk,
            scale=float(scale), H=H, HV=HV, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
 
+    # under CP, a document's last piece runs its reverse pass before the exchange (other ranks' stages may run in
+    # between): no scratch for what it stores
+    dhe = _ws("dhe", (P, HV, K, V), dt, device) if cp is None else torch.empty(P, HV, K, V, dtype=dt, device=device)
+    dd = _ws("dd", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
+
     def run_dh(se_x, dht_x, dh0_shape, store=True):
         n = se_x.shape[0]
-        dhe = _ws("dhe", (P, HV, K, V), dt, device)
-        dd = _ws("dd", (Tt, HV, V), dt, device)
         dh0 = torch.empty(dh0_shape, dtype=torch.float32, device=device) if dh0_shape else None
         cname, BV = _state_cfg(tab, "dh", V, n * HV)
         launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
@@ -236,11 +239,12 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
                **_cfg(tab, cname))
         return dhe, dd, dh0
 
+    se_own = se
     if cp is not None:
-        dht = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x: run_dh(
-            se_x, None, (se_x.shape[0], HV, K, V), False)[2])
+        dht, se_own = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x, own: run_dh(
+            se_x, None, (se_x.shape[0], HV, K, V), own)[2])
     want_dh0 = initial_state is not None and cp is None
-    dhe, dd, dh0 = run_dh(se, _c(dht.to(torch.float32), "dht") if dht is not None else None,
+    dhe, dd, dh0 = run_dh(se_own, _c(dht.to(torch.float32), "dht") if dht is not None else None,
                           initial_state.shape if want_dh0 else None)
     pdt, kdt = _pdt(tab, dt), _kdt(tab, dt)
     dqs = _ws("dqs", (Tt, HV, K), torch.float32, device)
