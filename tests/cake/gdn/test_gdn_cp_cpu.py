@@ -89,7 +89,7 @@ def test_plan_pieces_and_tables():
     # the document's first piece brings E only (no M: the state before it is zero)
     assert ctx.state_chain().tolist() == [[[0, -1], [1, 1]]]
     ranks = rcp.simulated_contexts([0, 200, 200, 240], 3)
-    # the extra state pass: rank 0's piece (a document's first) for E over V columns, rank 1's for E and M
+    # E and M: rank 0's piece (a document's first) from its own pass, rank 1's from the extra state pass
     assert [t.tolist() for t in ranks[0].export_split()] == [[], [], [0], [0]]
     assert [t.tolist() for t in ranks[1].export_split()] == [[0], [0], [], []]
     # the backward's D: rank 1's piece from the extra reverse pass, rank 2's (the document's last) from its own pass

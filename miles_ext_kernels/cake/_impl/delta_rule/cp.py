@@ -4,10 +4,10 @@ and backward (see `_runtime/cp.py` for the plan and the stage protocol).
 Forward, per rank: the pieces that export run the op's state recurrence once more, from [0 | I] with [u | 0] (V + K
 value columns; the kernel reads the zeros, nothing is stored but the final states). The delta rule's state is
 column-independent in V, so the first V columns end in E, the state from a zero start, and the last K in M, the
-piece's K x K transition; a document's first piece runs only the V columns (E: its M would multiply a zero state,
-so the state chain has none for it) -> one all_gather of [max_export, HV, K, V + K] fp32 -> each importing piece
-folds its document's earlier pieces, S <- M S + E, in fp32 and a fixed order (one launch per step) -> the op's own
-recurrence and output with S as the piece's initial state.
+piece's K x K transition (a document's first piece takes E from its own pass, run before the exchange: it starts
+from a zero state, and its M would multiply one, so the state chain has none for it) -> one all_gather of
+[max_export, HV, K, V + K] fp32 -> each importing piece folds its document's earlier pieces, S <- M S + E, in fp32
+and a fixed order (one launch per step) -> the op's own recurrence and output with S as the piece's initial state.
 Backward, per rank: after the in-chunk d(dlt), the pieces that import run the reverse recurrence from a zero end
 gradient: D, the gradient their start state gets (a document's last piece in its own pass, whose end gradient is
 zero; the others in an extra pass) -> one all_gather of [max_import, HV, K, V] fp32 -> each exporting
@@ -81,26 +81,35 @@ def chain(E: torch.Tensor, M: torch.Tensor, table: torch.Tensor, dest: torch.Ten
 
 def incoming_states(cp, se: torch.Tensor, u: torch.Tensor, HV: int, K: int, V: int, run_state):
     """Stage generator (forward): yields this rank's [max_export, HV, K, V + K] buffer, receives the gathered one;
-    returns (h0 [N, HV, K, V] fp32 or None when no piece imports, gathered). run_state(se_rows, u_ext, h0_ext, V_ext)
-    runs the op's state recurrence over the given sequences (u's V columns, then zeros) and returns their final states
-    [n, HV, K, V_ext] fp32."""
+    returns (h0 [N, HV, K, V] fp32 or None when no piece imports, gathered, se_own: the sequence table of the op's
+    recurrence after the exchange). run_state(se_rows, u_ext, h0_ext, V_ext, own) runs the op's state recurrence over
+    the given sequences (u's V columns, then zeros) and returns their final states [n, HV, K, V_ext] fp32; with `own`
+    (V columns from a zero state) it is those sequences' own pass (per-chunk states and dlt stored). A document's
+    first piece starts from a zero state, so its own pass, run here, gives its E (its M would multiply a zero state:
+    the state chain has none for it); the recurrence after the exchange skips it (its row of se_own empty)."""
     device = u.device
     VX = V + K
     buf = torch.zeros(cp.max_export, HV, K, VX, dtype=torch.float32, device=device)
     pos_both, seg_both, pos_first, seg_first = cp.export_split()
+    se_own = se
+    if seg_first.numel():
+        only_first = se.clone()  # every row but the first pieces' emptied (eos = bos): the kernels slot by row index
+        only_first[:, 1] = se[:, 0]
+        only_first[seg_first] = se[seg_first]
+        buf[pos_first, :, :, :V] = run_state(only_first, u, None, V, True).index_select(0, seg_first)
+        se_own = se.clone()
+        se_own[seg_first, 1] = se[seg_first, 0]
     if seg_both.numel():  # pieces that import and export: E and M, u's V columns then K columns of 0
         h0_x = torch.zeros(seg_both.numel(), HV, K, VX, dtype=torch.float32, device=device)
         h0_x[..., V:] = torch.eye(K, dtype=torch.float32, device=device)
-        buf[pos_both] = run_state(se.index_select(0, seg_both), u, h0_x, VX)
-    if seg_first.numel():  # a document's first piece: E only, over V columns from a zero state
-        buf[pos_first, :, :, :V] = run_state(se.index_select(0, seg_first), u, None, V)
+        buf[pos_both] = run_state(se.index_select(0, seg_both), u, h0_x, VX, False)
     gathered = yield buf
     gathered = gathered.view(-1, HV, K, VX)
     h0 = None
     if cp.n_import:
         h0 = torch.zeros(se.shape[0], HV, K, V, dtype=torch.float32, device=device)
         chain(gathered, gathered[..., V:], cp.state_chain(), cp.import_segs, h0, V, trans=False)
-    return h0, gathered
+    return h0, gathered, se_own
 
 
 def outgoing_grads(cp, se: torch.Tensor, gathered_fwd: torch.Tensor, HV: int, K: int, V: int, run_dh):

@@ -70,11 +70,14 @@ def _operands(q, k, v) -> tuple:
 
 # ----------------------------------------------------------------------------------------------------------------
 # launchers (no autograd)
-def _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_prefix, store_h=True):
-    """Run the state recurrence; returns (h, vn, ht). store_h off: the final state only (h, vn empty)."""
+def _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_prefix, store_h=True, out=None):
+    """Run the state recurrence; returns (h, vn, ht). store_h off: the final state only (h, vn empty); `out`: the
+    (h, vn) to store into."""
     T = kk.shape[0] * kk.shape[1]
     if not store_h:
         h = vn = _empty0(device, dt)
+    elif out is not None:
+        h, vn = out
     elif ws_prefix:
         h, vn = _ws(ws_prefix + "h", (P, HV, K, V), dt, device), _ws(ws_prefix + "vn", (T, HV, V), dt, device)
     else:
@@ -131,14 +134,18 @@ def forward_stage(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
     w, u = _wu(tab, kk, v, bf, gc, A, se, table, H, HV, K, V, P, device, dt, ws=not keep_state and cp is None,
                ws_u=cp is None)
     gathered = None
+    se_own, out = se, None
     if cp is not None:
-        def run_state(se_x, u_x, h0_x, VX):
-            return _fwd_state(tab, kk, w, u_x, gc, se_x, h0_x, se_x.shape[0], HV, H, K, VX, P, True, device, dt,
-                              ws_prefix=None, store_h=False)[2]
+        # the per-chunk states and dlt: a document's first piece fills its part before the exchange
+        out = (torch.empty(P, HV, K, V, dtype=dt, device=device), torch.empty(Tt, HV, V, dtype=dt, device=device))
 
-        h0, gathered = yield from cp_core.incoming_states(cp, se, u, HV, K, V, run_state)
-    h, vn, ht = _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, output_final_state, device, dt,
-                           ws_prefix=None if keep_state else "f_")
+        def run_state(se_x, u_x, h0_x, VX, own):
+            return _fwd_state(tab, kk, w, u_x, gc, se_x, h0_x, se_x.shape[0], HV, H, K, VX, P, True, device, dt,
+                              ws_prefix=None, store_h=own, out=out)[2]
+
+        h0, gathered, se_own = yield from cp_core.incoming_states(cp, se, u, HV, K, V, run_state)
+    h, vn, ht = _fwd_state(tab, kk, w, u, gc, se_own, h0, N, HV, H, K, V, P, output_final_state, device, dt,
+                           ws_prefix=None if keep_state else "f_", out=out)
     o = torch.empty(B, T, HV, V, dtype=dt, device=device)
     launch(kn.fwd_o_kernel, (P, HV), q=qn, k=kk, vn=vn, gc=gc, h=h, se=se, table=table, o=o, scale=float(scale),
            H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "o"))

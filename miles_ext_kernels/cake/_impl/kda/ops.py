@@ -147,9 +147,13 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=bf, gc=gc, A=A, se=se, table=table, w=w, u=u, H=H, HV=HV, K=K,
            V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
 
+    # the per-chunk states and dlt (kept for the backward); under CP a document's first piece fills its part before
+    # the exchange
+    h_all = torch.empty(P, HV, K, V, dtype=dt, device=device)
+    vn_all = torch.empty(Tt, HV, V, dtype=dt, device=device)
+
     def run_state(se_x, u_x, h0_x, n, VX, want_ht, store_h):
-        h = torch.empty(P, HV, K, VX, dtype=dt, device=device) if store_h else core.empty0(device, dt)
-        vn = torch.empty(Tt, HV, VX, dtype=dt, device=device) if store_h else core.empty0(device, dt)
+        h, vn = (h_all, vn_all) if store_h else (core.empty0(device, dt), core.empty0(device, dt))
         ht_shape = (n, HV, VX, K) if trans_state else (n, HV, K, VX)
         ht = torch.empty(ht_shape, dtype=torch.float32, device=device) if want_ht else core.empty0(device)
         cname, BV = _state_cfg(tab, "h", VX, n * HV)
@@ -161,11 +165,12 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
         return h, vn, ht
 
     gathered = None
+    se_own = se
     if cp is not None:
-        h0, gathered = yield from cp_core.incoming_states(
-            cp, se, u, HV, K, V, lambda se_x, u_x, h0_x, VX: run_state(se_x, u_x, h0_x, se_x.shape[0], VX, True,
-                                                                      False)[2])
-    h, vn, ht = run_state(se, u, h0, N, V, output_final_state, True)
+        h0, gathered, se_own = yield from cp_core.incoming_states(
+            cp, se, u, HV, K, V, lambda se_x, u_x, h0_x, VX, own: run_state(se_x, u_x, h0_x, se_x.shape[0], VX, True,
+                                                                           own)[2])
+    h, vn, ht = run_state(se_own, u, h0, N, V, output_final_state, True)
     o = torch.empty(B, T, HV, V, dtype=dt, device=device)
     ov = core.block_v(tab, "o", V)
     launch(kn.fwd_o_kernel, (P, HV, V // ov), q=qn, gc=gc, Aqk=Aqk, vn=vn, h=h, se=se, table=table, o=o,
