@@ -79,6 +79,17 @@ def chain(E: torch.Tensor, M: torch.Tensor, table: torch.Tensor, dest: torch.Ten
     out.index_copy_(0, dest, cur)
 
 
+def _split_rows(se: torch.Tensor, rows: torch.Tensor) -> tuple:
+    """(se with only `rows` kept, se with `rows` emptied): a row is emptied by eos = bos, not dropped, since the
+    kernels place a sequence's chunks by its row index."""
+    only = se.clone()
+    only[:, 1] = se[:, 0]
+    only[rows] = se[rows]
+    rest = se.clone()
+    rest[rows, 1] = se[rows, 0]
+    return only, rest
+
+
 def incoming_states(cp, se: torch.Tensor, u: torch.Tensor, HV: int, K: int, V: int, run_state):
     """Stage generator (forward): yields this rank's [max_export, HV, K, V + K] buffer, receives the gathered one;
     returns (h0 [N, HV, K, V] fp32 or None when no piece imports, gathered, se_own: the sequence table of the op's
@@ -93,12 +104,8 @@ def incoming_states(cp, se: torch.Tensor, u: torch.Tensor, HV: int, K: int, V: i
     pos_both, seg_both, pos_first, seg_first = cp.export_split()
     se_own = se
     if seg_first.numel():
-        only_first = se.clone()  # every row but the first pieces' emptied (eos = bos): the kernels slot by row index
-        only_first[:, 1] = se[:, 0]
-        only_first[seg_first] = se[seg_first]
+        only_first, se_own = _split_rows(se, seg_first)
         buf[pos_first, :, :, :V] = run_state(only_first, u, None, V, True).index_select(0, seg_first)
-        se_own = se.clone()
-        se_own[seg_first, 1] = se[seg_first, 0]
     if seg_both.numel():  # pieces that import and export: E and M, u's V columns then K columns of 0
         h0_x = torch.zeros(seg_both.numel(), HV, K, VX, dtype=torch.float32, device=device)
         h0_x[..., V:] = torch.eye(K, dtype=torch.float32, device=device)
@@ -124,12 +131,8 @@ def outgoing_grads(cp, se: torch.Tensor, gathered_fwd: torch.Tensor, HV: int, K:
     pos_both, seg_both, pos_last, seg_last = cp.import_split()
     se_own = se
     if seg_last.numel():
-        only_last = se.clone()  # every row but the last pieces' emptied (eos = bos): the kernels slot by row index
-        only_last[:, 1] = se[:, 0]
-        only_last[seg_last] = se[seg_last]
+        only_last, se_own = _split_rows(se, seg_last)
         buf[pos_last] = run_dh(only_last, True).index_select(0, seg_last)
-        se_own = se.clone()
-        se_own[seg_last, 1] = se[seg_last, 0]
     if seg_both.numel():
         buf[pos_both] = run_dh(se.index_select(0, seg_both), False)
     gathered = (yield buf).view(-1, HV, K, V)
