@@ -213,7 +213,8 @@ class CPContext:
 
     def export_split(self) -> tuple:
         """`_split` of the exporting pieces: those that also import need E and M from the extra state pass, a
-        document's first piece only E (its M would multiply a zero state; the state chain never reads it)."""
+        document's first piece takes E from its own pass (it starts from a zero state, which its M would multiply:
+        the state chain never reads it)."""
         return self._split("export")
 
     def import_split(self) -> tuple:
