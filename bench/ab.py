@@ -60,7 +60,8 @@ def gqa_cases():
     from gqa import irregular_lengths
 
     return {"16x2048 Hq16/Hkv2": ([2048] * 16, 16, 2), "irregular Hq24/Hkv4": (irregular_lengths(), 24, 4),
-            "256x128 Hq16/Hkv2": ([128] * 256, 16, 2), "1x32768 Hq16/Hkv2": ([32768], 16, 2)}
+            "256x128 Hq16/Hkv2": ([128] * 256, 16, 2), "1024x32 Hq16/Hkv2": ([32] * 1024, 16, 2),
+            "1x32768 Hq16/Hkv2": ([32768], 16, 2)}
 
 
 def gqa_inputs(case):

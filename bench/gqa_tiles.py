@@ -5,7 +5,7 @@ overridden (the Triton kernels at 128-, 64- or 32-row tiles; "default" is the sh
 candidate's bits against the default route's, and FA2 through torch's aten varlen ops. Hq16 / Hkv2, head dim 256.
 Prints only (a tuning aid: the benchmark of record is bench/gqa.py).
 
-    python bench/gqa_tiles.py
+    python bench/gqa_tiles.py [CANDIDATE,CANDIDATE,...]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from gqa import SCALE, make
 from miles_ext_kernels.cake._impl.gqa import ops
 
 LAYOUTS = {"256x128": [128] * 256, "1024x32": [32] * 1024, "16x2048": [2048] * 16}
-LONG_ONLY = ("default", "tri128", "tri64w4", "tri64w8")  # candidates also run on 16 x 2048
+LONG_ONLY = ("default", "gluon64", "tri128", "tri64w4", "tri64w8")  # candidates also run on 16 x 2048
 
 
 def variants() -> dict:
@@ -43,11 +43,19 @@ def variants() -> dict:
         return cfg(dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages, DIAG_ONLY=True),
                    dict(BM=bm, BN=bn, num_warps=warps, num_stages=1), gluon=False)
 
-    return {"default": cfg(), "tri128": cfg(gluon=False), "tri64w4": tri(64, 64, 4, 2), "tri64w8": tri(64, 64, 8, 2),
-            "tri64bn32": tri(64, 32, 4, 3), "tri32bn32": tri(32, 32, 4, 3)}
+    def gluon64(**kw):  # the Gluon forward at 64-row tiles (the short-document route's kernel)
+        c = dict(base)
+        c["fwd"], c["fwd_gluon"] = base["fwd_short"], kw
+        return c
+
+    return {"default": cfg(), "gluon64": gluon64(**base["fwd_gluon_short"]),
+            "gluon64s1": gluon64(**dict(base["fwd_gluon_short"], STAGES=1)), "tri128": cfg(gluon=False),
+            "tri64w4": tri(64, 64, 4, 2), "tri64w8": tri(64, 64, 8, 2), "tri64bn32": tri(64, 32, 4, 3),
+            "tri32bn32": tri(32, 32, 4, 3)}
 
 
 def main():
+    names = sys.argv[1].split(",") if len(sys.argv) > 1 else None  # optional: the candidates to run
     for label, lens in LAYOUTS.items():
         q, k, v, do, cu = make(lens, 16, 2)
         L = max(lens)
@@ -65,7 +73,7 @@ def main():
         print(f"{label}: FA2 fwd {t_ff:.3f} bwd {t_fb:.3f}", flush=True)
         first = None
         for name, c in variants().items():
-            if label == "16x2048" and name not in LONG_ONLY:
+            if (label == "16x2048" and name not in LONG_ONLY) or (names and name not in names):
                 continue
             out, lse = ops.gqa_forward(q, k, v, cu, cu, SCALE, c)
             bwd = partial(ops.gqa_backward, do, q, k, v, out, lse, cu, cu, SCALE, "det", c)

@@ -116,8 +116,11 @@ def build(out: Path) -> list[dict]:
     seen = set()
     for route in ops.routes():
         name = route.kernel.fn.__name__
+        args = route.args if isinstance(route.args, dict) else {}
+        if name == "fwd_kernel" and args.get("BM", 128) != 128:
+            name += f"_bm{args['BM']}"  # the forward's tiles at 64 rows
         if not getattr(route.kernel, "is_gluon", lambda: False)() or name in seen:
-            continue  # one route per Gluon kernel (their boundaries are always the int32 clamped copies)
+            continue  # one route per Gluon kernel and tile (their boundaries are always the int32 clamped copies)
         seen.add(name)
         ck = _compile(route, target)
         sass = _sass(ck.asm["cubin"])

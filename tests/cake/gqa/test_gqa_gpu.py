@@ -219,6 +219,19 @@ def test_gluon_forward_matches_triton_forward_bits(monkeypatch):
         tr_out, tr_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE, cfg=triton_cfg)
         assert spy.count == 1
         assert torch.equal(gl_out, tr_out) and torch.equal(gl_lse, tr_lse)
+        # the short-document route (64-row tiles of one warpgroup), taken by max_seqlen_k alone (the kernels read
+        # every key block whatever it says), and the same kernel at one K / V stage: same bits
+        short = ops.configs.SHORT_MAX_SEQLEN_K
+        sh_out, sh_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE, max_seqlen_k=short)
+        assert spy.count == 2 and spy.constexprs["BM"] == 64
+        assert torch.equal(sh_out, gl_out) and torch.equal(sh_lse, gl_lse)
+        ops.gqa_forward(q, k, v, cq, ck, SCALE, max_seqlen_k=short + 1)
+        assert spy.count == 3 and spy.constexprs["BM"] == 128
+        one_stage = dict(ops.CONFIGS["sm_90a"], fwd=ops.CONFIGS["sm_90a"]["fwd_short"],
+                         fwd_gluon=dict(ops.CONFIGS["sm_90a"]["fwd_gluon_short"], STAGES=1))
+        s1_out, s1_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE, cfg=one_stage)
+        assert spy.constexprs["BM"] == 64 and spy.constexprs["STAGES"] == 1
+        assert torch.equal(s1_out, gl_out) and torch.equal(s1_lse, gl_lse)
         assert bool(gl_out.isfinite().all())
         assert torch.equal(gl_out[sum(lens_q):], torch.zeros_like(gl_out[sum(lens_q):]))
         # a head stride other than D: the Triton route, same bits
@@ -295,14 +308,19 @@ def test_nonfinite_token_reaches_only_the_rows_that_see_it(name, value):
 
 
 class _Launches:
-    """Stands in for a kernel in `kernel[grid](...)` and counts the launches."""
+    """Stands in for a kernel in `kernel[grid](...)`: counts the launches, keeps the last one's keyword arguments."""
 
     def __init__(self, kernel):
-        self.kernel, self.count = kernel, 0
+        self.kernel, self.count, self.constexprs = kernel, 0, {}
 
     def __getitem__(self, grid):
         self.count += 1
-        return self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.constexprs = kwargs
+            return self.kernel[grid](*args, **kwargs)
+
+        return run
 
 
 def test_gluon_backward_matches_triton_kernels(monkeypatch):

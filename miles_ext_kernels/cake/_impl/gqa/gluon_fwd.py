@@ -2,7 +2,7 @@
 with the data movement, the matmul waits and the warpgroups under explicit control, which the Triton kernel cannot get
 on triton 3.6.
 
-One program = one 128-row query tile of one segment and one query head (tiles start at segment starts, heaviest
+One program = one 128-row (or 64-row) query tile of one segment and one query head (tiles start at segment starts, heaviest
 first: `kernels._tile_prefix_kernel` numbers them). Warp-specialized, three partitions that talk through mbarriers:
 - a loader warp: the tile's two 64-row Q halves, then K and V blocks by TMA into two stages each (one mbarrier per
   stage and operand, so S_{j+1} = Q K_{j+1}^T waits only for K); a stage is refilled once both warpgroups have
@@ -22,6 +22,8 @@ first: `kernels._tile_prefix_kernel` numbers them). Warp-specialized, three part
   warpgroup 1 always runs it: warpgroup 1 zeroes the rows and signals an mbarrier that warpgroup 0 waits on.
 - The rows that come out non-finite get LSE NaN, which sends their tile to `kernels._fwd_fix_kernel`: it runs the
   tile again keeping a later key's non-finite V row from the rows that mask it out (the loop does not look at V).
+- The short-document route (`ops._fwd_configs`) runs the same kernel at BM 64: one warpgroup, which then also zeroes
+  the V rows past the keys. Its rows take the same steps as in a 128-row tile, so the bits are the same.
 Requires at least one query and one key, heads contiguous within a token row (head stride = head dim) and rows that do
 not overlap (`ops._gluon_fwd_fits`); other operands take the Triton kernel (16-byte alignment is ensured for both
 routes by `ops._ready`, which copies misaligned operands). Gluon has no interpreter: CPU tests run the Triton kernel.
@@ -60,17 +62,19 @@ def _softmax(s, n, m0, offset, L_k, m_i, l_i, qk_scale, BM: gl.constexpr, BN: gl
 
 
 @gluon.jit
-def _fwd_loader(descs, q_halves, k_ring, v_ring, q_at, kv_at, n_blocks, ROWS: gl.constexpr, BN: gl.constexpr):
-    """One warp: the two 64-row halves of the Q tile, then K and V blocks into their rings (a stage is refilled once
-    both warpgroups have released it). `q_at`: (row, column) of the Q tile; `kv_at`: of K/V block 0."""
+def _fwd_loader(descs, q_halves, k_ring, v_ring, q_at, kv_at, n_blocks, WGS: gl.constexpr, ROWS: gl.constexpr,
+                BN: gl.constexpr):
+    """One warp: the 64-row parts of the Q tile (one per warpgroup), then K and V blocks into their rings (a stage
+    is refilled once every warpgroup has released it). `q_at`: (row, column) of the Q tile; `kv_at`: of K/V
+    block 0."""
     q_desc, k_desc, v_desc = descs
     q_smem, q_bar = q_halves
     k_smem, k_full, k_empty = k_ring
     v_smem, v_full, v_empty = v_ring
     q_row, col_q = q_at
     k0, col_k = kv_at
-    U.request(q_desc, q_smem.index(0), q_bar.index(0), q_row, col_q)
-    U.request(q_desc, q_smem.index(1), q_bar.index(1), q_row + ROWS, col_q)
+    for i in gl.static_range(WGS):
+        U.request(q_desc, q_smem.index(i), q_bar.index(i), q_row + i * ROWS, col_q)
     for j in range(n_blocks):
         stage, phase = U.ring_slot(k_empty, j)  # (the K and V rings advance together)
         mbarrier.wait(k_empty.index(stage), phase ^ 1)
@@ -80,8 +84,8 @@ def _fwd_loader(descs, q_halves, k_ring, v_ring, q_at, kv_at, n_blocks, ROWS: gl
 
 
 @gluon.jit
-def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: gl.constexpr, D: gl.constexpr,
-              ROWS: gl.constexpr, BN: gl.constexpr):
+def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: gl.constexpr, WGS: gl.constexpr,
+              D: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr):
     """One warpgroup: query rows [m0 + HALF * ROWS, + ROWS) of the tile, over the key blocks they see (warpgroup 0
     may stop one block before warpgroup 1: that block is fully masked for its rows, so skipping it leaves the bits
     unchanged). `out`: (o_desc, O, LSE, T_q, O's token and head strides); `tile`: `U.query_tile`'s (q0, L_q, L_k, m0,
@@ -116,8 +120,8 @@ def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: 
         mbarrier.wait(v_full.index(stage), phase)
         if n + BN > L_k:
             # zero V rows past the segment's keys (0 * NaN padding would not be 0). Only the segment's last block
-            # crosses L_k, and warpgroup 1 always runs it: warpgroup 1 zeroes, warpgroup 0 waits for that
-            if HALF == 1:
+            # crosses L_k, and the tile's last warpgroup always runs it: that one zeroes, an earlier one waits
+            if HALF == WGS - 1:
                 U.zero_rows_from(v_smem.index(stage), L_k - n, BN, D, 4)
                 fence_async_shared()
                 gl.thread_barrier()  # every warp's rows are written before this warpgroup's P V and the signal
@@ -151,7 +155,7 @@ def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: 
     # row from the rows that mask it out (P = 0 there, but 0 * NaN = NaN), and rewrites out and LSE
     lse = gl.where(fin, lse, float("nan"))
     out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
-    # this warpgroup's Q half is free (its last S has completed): stage the output there
+    # this warpgroup's Q rows are free (its last S has completed): stage the output there
     q_tile.store(out)
     fence_async_shared()
     gl.thread_barrier()
@@ -166,11 +170,14 @@ def _fwd_rows(out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, HALF: 
 
 @gluon.jit(do_not_specialize=_RUNTIME)
 def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale, T_q, n_seg, n_iter, H_q, group,
-               sot, soh, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+               sot, soh, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+               num_warps: gl.constexpr):
     """Out and LSE of one BM-row query tile of one segment and one query head; LSE NaN marks a row that came out
-    non-finite (as `kernels._fwd_kernel`'s). `num_warps` = 4 is the default partition (warpgroup 0); the CTA has 12
-    warps: warpgroup 1 and the loader warp's warpgroup."""
-    ROWS: gl.constexpr = BM // 2
+    non-finite (as `kernels._fwd_kernel`'s). One warpgroup per 64 rows (BM 128: two; BM 64: one, the short-document
+    route), `STAGES`-deep K and V rings. `num_warps` = 4 is the default partition (warpgroup 0); the CTA adds
+    warpgroup 1 (BM 128) and the loader warp's warpgroup."""
+    ROWS: gl.constexpr = 64
+    WGS: gl.constexpr = BM // ROWS
     pid = gl.program_id(0)
     h = pid % H_q
     t = pid // H_q
@@ -187,30 +194,39 @@ def fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, TS, sm_scale,
     else:
         q0, L_q, k0, L_k, m0, offset, n_blocks = U.query_tile(TS, CU_Q, CU_K, t, n_seg, n_iter, BM, BN)
         qk_scale = sm_scale * 1.4426950408889634
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BN, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BN, D], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        v_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS, ROWS, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
+        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_zeroed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(v_zeroed, count=1)  # warpgroup 1 has zeroed the V rows past the keys (once a tile at most)
-        for i in gl.static_range(2):
+        mbarrier.init(v_zeroed, count=1)  # the last warpgroup has zeroed the V rows past the keys (once a tile at most)
+        for i in gl.static_range(WGS):
             mbarrier.init(q_bar.index(i), count=1)
+        for i in gl.static_range(STAGES):
             mbarrier.init(k_full.index(i), count=1)
             mbarrier.init(v_full.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # released by both warpgroups
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=WGS)  # released by every warpgroup
+            mbarrier.init(v_empty.index(i), count=WGS)
         out = (o_desc, O, LSE, T_q, sot, soh)
-        q_halves = (q_smem, q_bar)  # the two warpgroups' 64-row halves of the Q tile, one barrier each
+        q_halves = (q_smem, q_bar)  # the warpgroups' 64-row parts of the Q tile, one barrier each
         k_ring = (k_smem, k_full, k_empty)
         v_ring = (v_smem, v_full, v_empty)
         tile = (q0, L_q, L_k, m0, offset)
-        gl.warp_specialize([
-            (_fwd_rows, (out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, 0, D, ROWS, BN)),
-            (_fwd_rows, (out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, 1, D, ROWS, BN)),
-            (_fwd_loader, ((q_desc, k_desc, v_desc), q_halves, k_ring, v_ring, (q0 + m0, h * D), (k0, hk * D),
-                           n_blocks, ROWS, BN)),
-        ], [4, 1], [240, 24])
+        descs = (q_desc, k_desc, v_desc)
+        q_at = (q0 + m0, h * D)
+        kv_at = (k0, hk * D)
+        if WGS == 2:
+            gl.warp_specialize([
+                (_fwd_rows, (out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, 0, WGS, D, ROWS, BN)),
+                (_fwd_rows, (out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, 1, WGS, D, ROWS, BN)),
+                (_fwd_loader, (descs, q_halves, k_ring, v_ring, q_at, kv_at, n_blocks, WGS, ROWS, BN)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_fwd_rows, (out, q_halves, k_ring, v_ring, v_zeroed, tile, h, qk_scale, 0, WGS, D, ROWS, BN)),
+                (_fwd_loader, (descs, q_halves, k_ring, v_ring, q_at, kv_at, n_blocks, WGS, ROWS, BN)),
+            ], [1], [24])

@@ -163,9 +163,21 @@ def _prefix(cu_a, cu_b, T_a: int, T_b: int, buf: torch.Tensor, tile: int) -> tup
 
 # ----------------------------------------------------------------------------------------------------------------
 # launchers
-def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
-    """out [T_q, H_q, D] (q's dtype), lse fp32 [H_q, T_q]. Operands already checked; `cfg` overrides the config
-    table (tests and benchmarks)."""
+def _fwd_configs(cfg: dict, gluon: bool, max_seqlen_k: int | None) -> tuple[dict, dict | None]:
+    """(Triton config, Gluon config or None) of a forward call: the short-document route ("fwd_short" /
+    "fwd_gluon_short": 64-row tiles of one warpgroup) where the Gluon kernel runs and the host's max_seqlen_k is at
+    most `configs.SHORT_MAX_SEQLEN_K`, else "fwd" / "fwd_gluon". Both routes give the same bits (a 64-row tile runs
+    the rows of one warpgroup of a 128-row tile, in the same order); the choice depends on host values only."""
+    cg = cfg.get("fwd_gluon") if gluon else None
+    if cg is not None and "fwd_gluon_short" in cfg and max_seqlen_k is not None \
+            and max_seqlen_k <= configs.SHORT_MAX_SEQLEN_K:
+        return cfg["fwd_short"], cfg["fwd_gluon_short"]
+    return cfg["fwd"], cg
+
+
+def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None, max_seqlen_k: int | None = None):
+    """out [T_q, H_q, D] (q's dtype), lse fp32 [H_q, T_q]. Operands already checked; `max_seqlen_k` (host int, or
+    None: the long-document route) picks the route; `cfg` overrides the config table (tests and benchmarks)."""
     cfg = cfg or CONFIGS[arch_of(q, "q")]
     q, k, v = _ready(q, "q"), _ready(k, "k"), _ready(v, "v")
     cu_q, cu_k = _cu_ready(cu_q, "cu_seqlens_q"), _cu_ready(cu_k, "cu_seqlens_k")
@@ -174,7 +186,7 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     B = cu_q.shape[0] - 1
     out = torch.empty((T_q, H_q, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((H_q, T_q), dtype=torch.float32, device=q.device)
-    c = cfg["fwd"]
+    c, cg = _fwd_configs(cfg, G is not None and not INTERPRET and _gluon_fwd_fits(q, k, v), max_seqlen_k)
     upper = cdiv(T_q, c["BM"]) + B
     if upper * H_q == 0:
         return out, lse
@@ -189,13 +201,12 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None):
     strided = dict(Q=q, K=k, V=v, sqt=sqt, sqh=sqh, skt=skt, skh=skh, svt=svt, svh=svh, D=D, BM=c["BM"], BN=c["BN"],
                    DIAG_ONLY=c.get("DIAG_ONLY", False), INTERPRET=INTERPRET, num_warps=c["num_warps"],
                    num_stages=c["num_stages"])
-    cg = cfg.get("fwd_gluon")
-    if cg is not None and G is not None and not INTERPRET and _gluon_fwd_fits(q, k, v):
+    if cg is not None:
         assert cg["BM"] == c["BM"] and cg["BN"] == c["BN"]  # the tile prefix and the second pass count these tiles
-        rows = cg["BM"] // 2  # Q and the output move in the two warpgroups' halves of the tile
+        rows = 64  # Q and the output move in the warpgroups' 64-row parts of the tile
         launch(G.fwd_kernel, (n_prog,), q_desc=_gluon_desc(q, rows), k_desc=_gluon_desc(k, cg["BN"]),
-               v_desc=_gluon_desc(v, cg["BN"]), o_desc=_gluon_desc(out, rows), **runtime,
-               D=D, BM=cg["BM"], BN=cg["BN"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
+               v_desc=_gluon_desc(v, cg["BN"]), o_desc=_gluon_desc(out, rows), **runtime, D=D, BM=cg["BM"],
+               BN=cg["BN"], STAGES=cg["STAGES"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
     else:
         launch(K._fwd_kernel, (n_prog,), **runtime, **strided)
     # tiles with a non-finite row (LSE NaN), again with non-finite V rows kept from the rows that mask their key out
@@ -303,7 +314,8 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
              cu_seqlens_k: torch.Tensor, softmax_scale: float, max_seqlen_k: int,
              variant: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return gqa_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)  # out and LSE: one kernel, both variants
+    # out and LSE: one kernel, both variants
+    return gqa_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, max_seqlen_k=max_seqlen_k)
 
 
 def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, max_seqlen_k, variant):
@@ -340,7 +352,7 @@ GQA = KernelOp(OP, forward=_forward, forward_fake=_forward_fake, setup=_setup, b
 def routes(**model_params):
     """The kernel routes of gqa on the current device's arch (head dim fixed at 256: no model parameters): both
     variants (same kernels), the Gluon route (heads of a token contiguous) and the Triton route (wider head stride),
-    int32 and int64 cu_seqlens, both dK/dV launch orders."""
+    the forward's long- and short-document routes, int32 and int64 cu_seqlens, both dK/dV launch orders."""
     if model_params:
         raise TypeError(f"gqa routes take no model parameters, got {sorted(model_params)}")
     arch = INTERPRETER_ARCH if INTERPRET else device_arch()
@@ -351,7 +363,8 @@ def routes(**model_params):
             for head_stride in (HEAD_DIM, 2 * HEAD_DIM):  # heads of a token contiguous (Gluon on sm_90a), or not
                 q = torch.empty(4096, 2, head_stride, dtype=bf, device=meta)[:, :, :HEAD_DIM]
                 k = v = torch.empty(4096, 1, HEAD_DIM, dtype=bf, device=meta)
-                out, lse = gqa_forward(q, k, v, cu, cu, DEFAULT_SCALE)
+                for max_seqlen_k in (2048, configs.SHORT_MAX_SEQLEN_K):  # long and short documents
+                    out, lse = gqa_forward(q, k, v, cu, cu, DEFAULT_SCALE, max_seqlen_k=max_seqlen_k)
                 for pair, rounds in ((False, False), (True, False), (False, True)):
                     gqa_backward(q, q, k, v, out, lse, cu, cu, DEFAULT_SCALE, "det", max_seqlen_k=2048, pair=pair,
                                  rounds=rounds)
