@@ -85,7 +85,9 @@ class _DirectLaunch:
         else:
             _, names, consts, _ = _kernel_info(kernel)
             sig = inspect.signature(kernel.fn).parameters
-            got = names, tuple(n in consts for n in names), tuple(sig[n].default for n in names)
+            # launch options that are not also parameters (a Gluon kernel takes num_warps as a constexpr)
+            opts = tuple(o for o in _LAUNCH_OPTIONS if o not in names)
+            got = names, tuple(n in consts for n in names), tuple(sig[n].default for n in names), opts
         self._params[id(kernel)] = got
         return got
 
@@ -111,9 +113,9 @@ class _DirectLaunch:
             params = self._param_list(kernel)
         if not params or getattr(kernel, "pre_run_hooks", None) or self._hooked():
             return False
-        names, const, defaults = params
+        names, const, defaults, opts = params
         options = tuple(kwargs.get(o) for o in _LAUNCH_OPTIONS)
-        n_args = len(kwargs) - sum(o is not None for o in options)
+        n_args = len(kwargs) - sum(o in kwargs for o in opts)  # the kernel's own arguments among the keywords
         try:
             values = [kwargs[n] for n in names]
         except KeyError:  # defaults fill what the call leaves out; a missing argument is Triton's error to raise
@@ -123,7 +125,7 @@ class _DirectLaunch:
                 return False
             n_args += sum(n not in kwargs for n in names)
         if n_args != len(names):
-            return False  # an unknown keyword (or an option passed as None): Triton names it
+            return False  # an unknown keyword: Triton names it
         device = self._device()
         key = [id(kernel), device, options]
         tensor, key_of = self._tensor, self._key_of

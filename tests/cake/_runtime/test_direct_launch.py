@@ -151,3 +151,21 @@ def test_the_interpreter_and_the_switch_take_tritons_path(monkeypatch):
     monkeypatch.setattr(L, "INTERPRET", False)
     monkeypatch.setenv("MILES_EXT_KERNELS_TRITON_LAUNCH", "1")
     assert L._make_direct() is False
+
+
+def test_num_warps_as_a_kernel_parameter_is_direct(kernel):
+    """A Gluon kernel takes num_warps as a constexpr parameter as well as a launch option: it is one of the kernel's
+    arguments (passed to the launcher in its place), and the launch is direct with or without other options."""
+    def fn(x, n, BLOCK, num_warps):
+        pass
+    kernel.fn = fn
+    kernel.params = [_Param(p, p.isupper() or p == "num_warps") for p in inspect.signature(fn).parameters]
+    buf = torch.empty(64, dtype=torch.float32)
+    # maxnreg None is Triton's default, so it shares the key of a launch without it
+    for opts, want in ((dict(), ["triton", "direct"]), (dict(maxnreg=168), ["triton", "direct"]),
+                       (dict(maxnreg=None), ["direct", "direct"])):
+        kernel.log.clear()
+        L.launch(kernel, (1,), x=buf, n=32, BLOCK=64, num_warps=4, **opts)
+        L.launch(kernel, (1,), x=buf, n=32, BLOCK=64, num_warps=4, **opts)
+        assert _paths(kernel) == want, opts
+        assert kernel.log[-1][1][9:] == (buf, 32, 64, 4)
