@@ -1,8 +1,10 @@
 """Tile candidates of the gqa kernels against FA2 varlen on short and long documents, device ms in one process.
 
 INTERNAL LAUNCHERS (tuning only, as bench/gqa.py's --tune): `ops.gqa_forward` / `gqa_backward` with the config
-overridden (the Triton kernels at 128-, 64- or 32-row tiles; "default" is the shipped table, Gluon where it fits), each
-candidate's bits against the default route's, and FA2 through torch's aten varlen ops. Hq16 / Hkv2, head dim 256.
+overridden (the Triton kernels at 128-, 64- or 32-row tiles; "default" is the shipped table at its long-document
+route, Gluon where it fits; "short" the short-document route's self-loading kernel; "loader64" the loader-warp kernel
+at 64-row tiles), each candidate's bits against the default route's, and FA2 through torch's aten varlen ops. Hq16 /
+Hkv2, head dim 256.
 Prints only (a tuning aid: the benchmark of record is bench/gqa.py).
 
     python bench/gqa_tiles.py [CANDIDATE,CANDIDATE,...]
@@ -24,7 +26,7 @@ from gqa import SCALE, make
 from miles_ext_kernels.cake._impl.gqa import ops
 
 LAYOUTS = {"256x128": [128] * 256, "1024x32": [32] * 1024, "16x2048": [2048] * 16}
-LONG_ONLY = ("default", "gluon64", "tri128", "tri64w4", "tri64w8")  # candidates also run on 16 x 2048
+LONG_ONLY = ("default", "short", "tri128", "tri64w4", "tri64w8")  # candidates also run on 16 x 2048
 
 
 def variants() -> dict:
@@ -43,13 +45,14 @@ def variants() -> dict:
         return cfg(dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages, DIAG_ONLY=True),
                    dict(BM=bm, BN=bn, num_warps=warps, num_stages=1), gluon=False)
 
-    def gluon64(**kw):  # the Gluon forward at 64-row tiles (the short-document route's kernel)
+    def gluon64(**kw):  # a Gluon forward at 64-row tiles
         c = dict(base)
         c["fwd"], c["fwd_gluon"] = base["fwd_short"], kw
         return c
 
-    return {"default": cfg(), "gluon64": gluon64(**base["fwd_gluon_short"]),
-            "gluon64s1": gluon64(**dict(base["fwd_gluon_short"], STAGES=1)), "tri128": cfg(gluon=False),
+    loader64 = dict(BM=64, BN=64, STAGES=2, num_warps=4, maxnreg=168)  # fwd_kernel with one warpgroup
+    return {"default": cfg(), "short": gluon64(**base["fwd_gluon_short"]), "loader64": gluon64(**loader64),
+            "loader64s1": gluon64(**dict(loader64, STAGES=1)), "tri128": cfg(gluon=False),
             "tri64w4": tri(64, 64, 4, 2), "tri64w8": tri(64, 64, 8, 2), "tri64bn32": tri(64, 32, 4, 3),
             "tri32bn32": tri(32, 32, 4, 3)}
 

@@ -219,19 +219,23 @@ def test_gluon_forward_matches_triton_forward_bits(monkeypatch):
         tr_out, tr_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE, cfg=triton_cfg)
         assert spy.count == 1
         assert torch.equal(gl_out, tr_out) and torch.equal(gl_lse, tr_lse)
-        # the short-document route (64-row tiles of one warpgroup), taken by max_seqlen_k alone (the kernels read
-        # every key block whatever it says), and the same kernel at one K / V stage: same bits
+        # the short-document route (the self-loading 64-row kernel), taken by max_seqlen_k alone (the kernels read
+        # every key block whatever it says), and the loader-warp kernel at 64-row tiles (one and two K / V stages):
+        # same bits
         short = ops.configs.SHORT_MAX_SEQLEN_K
+        spy_short = _Launches(ops.G.fwd_short_kernel)
+        monkeypatch.setattr(ops.G, "fwd_short_kernel", spy_short)
         sh_out, sh_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE, max_seqlen_k=short)
-        assert spy.count == 2 and spy.constexprs["BM"] == 64
+        assert spy.count == 1 and spy_short.count == 1 and spy_short.constexprs["BM"] == 64
         assert torch.equal(sh_out, gl_out) and torch.equal(sh_lse, gl_lse)
         ops.gqa_forward(q, k, v, cq, ck, SCALE, max_seqlen_k=short + 1)
-        assert spy.count == 3 and spy.constexprs["BM"] == 128
-        one_stage = dict(ops.CONFIGS["sm_90a"], fwd=ops.CONFIGS["sm_90a"]["fwd_short"],
-                         fwd_gluon=dict(ops.CONFIGS["sm_90a"]["fwd_gluon_short"], STAGES=1))
-        s1_out, s1_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE, cfg=one_stage)
-        assert spy.constexprs["BM"] == 64 and spy.constexprs["STAGES"] == 1
-        assert torch.equal(s1_out, gl_out) and torch.equal(s1_lse, gl_lse)
+        assert spy.count == 2 and spy.constexprs["BM"] == 128 and spy_short.count == 1
+        for stages in (1, 2):
+            bm64 = dict(ops.CONFIGS["sm_90a"], fwd=ops.CONFIGS["sm_90a"]["fwd_short"],
+                        fwd_gluon=dict(BM=64, BN=64, STAGES=stages, num_warps=4, maxnreg=168))
+            s_out, s_lse = ops.gqa_forward(q, k, v, cq, ck, SCALE, cfg=bm64)
+            assert spy.constexprs["BM"] == 64 and spy.constexprs["STAGES"] == stages
+            assert torch.equal(s_out, gl_out) and torch.equal(s_lse, gl_lse)
         assert bool(gl_out.isfinite().all())
         assert torch.equal(gl_out[sum(lens_q):], torch.zeros_like(gl_out[sum(lens_q):]))
         # a head stride other than D: the Triton route, same bits

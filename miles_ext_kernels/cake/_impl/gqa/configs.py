@@ -13,13 +13,14 @@ CONFIGS = {
         # warpgroup and 24 for the loader's) with the same BM, BN and the same bits; operands whose heads are not
         # contiguous within a row take the Triton forward above
         "fwd_gluon": dict(BM=128, BN=64, STAGES=2, num_warps=4, maxnreg=168),
-        # short documents (max_seqlen_k <= SHORT_MAX_SEQLEN_K): the same kernel at 64-row tiles, one warpgroup (8 warps
-        # with the loader's warpgroup), two K / V stages, 160 KB of shared memory; same bits as the route above, since
-        # a 64-row tile runs the rows of one warpgroup of a 128-row tile in the same order. 32-token documents fill
-        # half a tile instead of a quarter. The Triton config is the tile prefix's and the second pass's (and the
-        # forward's where the Gluon kernel cannot read the operands)
+        # short documents (max_seqlen_k <= SHORT_MAX_SEQLEN_K): 64-row tiles in `gluon_fwd.fwd_short_kernel`, one
+        # warpgroup that issues its own TMA loads into one K and one V buffer (no loader warp: 98 KB of shared memory
+        # and 128 threads, so two programs share an SM and one's loads and store overlap the other's matmuls). Same
+        # bits as the route above: a 64-row tile runs the rows of one warpgroup of a 128-row tile in the same order.
+        # The Triton config is the tile prefix's and the second pass's (and the forward's where the Gluon kernel
+        # cannot read the operands)
         "fwd_short": dict(BM=64, BN=64, num_warps=4, num_stages=2, DIAG_ONLY=True),
-        "fwd_gluon_short": dict(BM=64, BN=64, STAGES=2, num_warps=4, maxnreg=168),
+        "fwd_gluon_short": dict(BM=64, BN=64, SELF_LOADING=True, num_warps=4),
         "dq": dict(BM=128, BN=64, num_warps=8, num_stages=1),
         # the Gluon dQ pass (gluon_bwd.py): same tiles; operands the Gluon forward cannot read take "dq" above
         "dq_gluon": dict(BM=128, BN=64, num_warps=8),
@@ -47,8 +48,10 @@ CONFIGS = {
 # (FIX_PROGRAMS_OFF_GPU where there is none: the interpreter, meta tensors)
 FIX_CHUNK = 2048
 FIX_PROGRAMS_OFF_GPU = 2
-# the forward's short-document route: calls whose max_seqlen_k (a host value) is at most this many keys
-SHORT_MAX_SEQLEN_K = 64
+# the forward's short-document route: calls whose max_seqlen_k (a host value) is at most this many keys. On the H100
+# the 64-row self-loading kernel beats the 128-row one from 32-token documents (0.46 against 0.91 ms) to 512 (0.403
+# against 0.419) and loses from 1024 on (bench/NOTES.md, gqa: the short-document route)
+SHORT_MAX_SEQLEN_K = 512
 SCHEDULE_MAX_WAVES = 12  # "auto" orders are modelled only up to this many dK/dV programs per SM
 # PAIR "auto" pairs only where the model's makespan drops below this fraction: the paired kernel spills a little
 # more, so a small predicted gain measured none (bench/NOTES.md, gqa: PAIR)

@@ -204,9 +204,14 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None, max_seqlen_k: int |
     if cg is not None:
         assert cg["BM"] == c["BM"] and cg["BN"] == c["BN"]  # the tile prefix and the second pass count these tiles
         rows = 64  # Q and the output move in the warpgroups' 64-row parts of the tile
-        launch(G.fwd_kernel, (n_prog,), q_desc=_gluon_desc(q, rows), k_desc=_gluon_desc(k, cg["BN"]),
-               v_desc=_gluon_desc(v, cg["BN"]), o_desc=_gluon_desc(out, rows), **runtime, D=D, BM=cg["BM"],
-               BN=cg["BN"], STAGES=cg["STAGES"], num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
+        descs = dict(q_desc=_gluon_desc(q, rows), k_desc=_gluon_desc(k, cg["BN"]), v_desc=_gluon_desc(v, cg["BN"]),
+                     o_desc=_gluon_desc(out, rows))
+        if cg.get("SELF_LOADING"):  # one warpgroup that issues its own loads (gluon_fwd.fwd_short_kernel)
+            launch(G.fwd_short_kernel, (n_prog,), **descs, **runtime, D=D, BM=cg["BM"], BN=cg["BN"],
+                   num_warps=cg["num_warps"], maxnreg=cg.get("maxnreg"))
+        else:
+            launch(G.fwd_kernel, (n_prog,), **descs, **runtime, D=D, BM=cg["BM"], BN=cg["BN"], STAGES=cg["STAGES"],
+                   num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
     else:
         launch(K._fwd_kernel, (n_prog,), **runtime, **strided)
     # tiles with a non-finite row (LSE NaN), again with non-finite V rows kept from the rows that mask their key out
