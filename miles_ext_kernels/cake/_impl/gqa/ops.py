@@ -208,7 +208,7 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None, max_seqlen_k: int |
                      o_desc=_gluon_desc(out, rows))
         if cg.get("SELF_LOADING"):  # one warpgroup that issues its own loads (gluon_fwd.fwd_short_kernel)
             launch(G.fwd_short_kernel, (n_prog,), **descs, **runtime, D=D, BM=cg["BM"], BN=cg["BN"],
-                   num_warps=cg["num_warps"], maxnreg=cg.get("maxnreg"))
+                   num_warps=cg["num_warps"])
         else:
             launch(G.fwd_kernel, (n_prog,), **descs, **runtime, D=D, BM=cg["BM"], BN=cg["BN"], STAGES=cg["STAGES"],
                    num_warps=cg["num_warps"], maxnreg=cg["maxnreg"])
