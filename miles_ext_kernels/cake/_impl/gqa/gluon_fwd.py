@@ -2,9 +2,9 @@
 with the data movement, the matmul waits and the warpgroups under explicit control, which the Triton kernel cannot get
 on triton 3.6.
 
-One program = one 128-row query tile (64 on the short-document route, below) of one segment and one query head
-(tiles start at segment starts, heaviest first: `kernels._tile_prefix_kernel` numbers them). Warp-specialized, three
-partitions that talk through mbarriers:
+`fwd_kernel`: one program = one 128-row query tile of one segment and one query head (tiles start at segment starts,
+heaviest first: `kernels._tile_prefix_kernel` numbers them; `fwd_short_kernel`, below, runs 64-row tiles).
+Warp-specialized, three partitions that talk through mbarriers:
 - a loader warp: the tile's two 64-row Q halves, then K and V blocks by TMA into two stages each (one mbarrier per
   stage and operand, so S_{j+1} = Q K_{j+1}^T waits only for K); a stage is refilled once both warpgroups have
   released it;
