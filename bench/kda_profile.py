@@ -1,7 +1,7 @@
 """Per-kernel device time of kda fwd + bwd at 4 x 32768 tokens, H = HV = 32, K = V = 128, safe gate, L2 norm, [V, K]
 states (torch.profiler, 5 steps after 3 warm-up steps; run from the repository root on a GPU).
 
-    python bench/kda_profile.py [--cfg JSON ...] [--lens 2048x16] [--gate safe|softplus] [--same-bits]
+    python bench/kda_profile.py [--cfg JSON ...] [--lens 2048x16] [--heads 12] [--gate safe|softplus] [--same-bits]
 
 --cfg updates entries of the kda config table (as bench/kda_sass.py's, e.g. '{"intra": {"num_warps": 8}}'); given
 several times, each is one variant of the same run, from the shipped table, in one process (only the kernels a
@@ -31,11 +31,12 @@ ap.add_argument("--lens", default="32768x4")
 ap.add_argument("--gate", choices=("safe", "softplus"), default="safe")
 ap.add_argument("--same-bits", action="store_true")
 ap.add_argument("--fla", action="store_true")
+ap.add_argument("--heads", type=int, default=32, help="H = HV (Kimi-Linear 32, Kimi-K3 at TP8 12)")
 args = ap.parse_args()
 SHIPPED = copy.deepcopy(configs.CFG)
 mek.configure(kda_variant="det")
 length, count = (int(x) for x in args.lens.split("x"))
-p = dict(H=32, HV=32, K=128, V=128, gate=args.gate, trans=True, lens=[length] * count)
+p = dict(H=args.heads, HV=args.heads, K=128, V=128, gate=args.gate, trans=True, lens=[length] * count)
 x = B.make(p)
 leaves = [x[n].requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
 gate_kw = dict(safe_gate=True, lower_bound=-5.0) if args.gate == "safe" else {}
