@@ -117,8 +117,8 @@ def build(out: Path) -> list[dict]:
     for route in ops.routes():
         name = route.kernel.fn.__name__
         args = route.args if isinstance(route.args, dict) else {}
-        if name == "fwd_kernel" and args.get("BM", 128) != 128:
-            name += f"_bm{args['BM']}"  # the forward's tiles at 64 rows
+        if name in ("fwd_kernel", "dq_kernel") and args.get("BM", 128) != 128:
+            name += f"_bm{args['BM']}"  # the short-document routes' tiles at 64 rows
         if not getattr(route.kernel, "is_gluon", lambda: False)() or name in seen:
             continue  # one route per Gluon kernel and tile (their boundaries are always the int32 clamped copies)
         seen.add(name)

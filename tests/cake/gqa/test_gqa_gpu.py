@@ -332,7 +332,8 @@ def test_gluon_backward_matches_triton_kernels(monkeypatch):
     operands whose heads are not contiguous within a row. Given the same delta, the Gluon dK/dV pass gives the Triton
     dK/dV kernel's bits; the Gluon dQ pass reduces delta in another order, so its dQ matches the Triton one closely, not
     bitwise. Edge layouts: NaN in the padding rows of q, k, v, dO and out (read by TMA, must not reach a real row), an
-    empty segment, fewer keys than queries, partial query and key tiles, 3 query heads over 1."""
+    empty segment, fewer keys than queries, partial query and key tiles, 3 query heads over 1. The dQ pass's
+    short-document route (64-row tiles) gives the 128-row route's bits."""
     from miles_ext_kernels.cake._impl.gqa import ops
 
     for hq, hkv, lens_q, lens_k in ((6, 2, [200, 0, 129, 64, 700, 1], [50, 10, 300, 64, 700, 1]),
@@ -353,6 +354,13 @@ def test_gluon_backward_matches_triton_kernels(monkeypatch):
         m = ops.gqa_backward(do, q, k, v, out, lse, cq, ck, SCALE, "det", cfg=gluon_dq_only)
         t = ops.gqa_backward(do, q, k, v, out, lse, cq, ck, SCALE, "det", cfg=triton_only)
         assert spies["dq_kernel"].count == 2 and spies["dkdv_kernel"].count == 1
+        # the dQ pass's short-document route (64-row tiles, 32-key blocks), taken by max_seqlen_k alone: same bits
+        short = ops.configs.SHORT_DQ_MAX_SEQLEN_K
+        s = ops.gqa_backward(do, q, k, v, out, lse, cq, ck, SCALE, "det", cfg=full, max_seqlen_k=short)
+        assert spies["dq_kernel"].count == 3 and spies["dq_kernel"].constexprs["BM"] == 64
+        _equal(g, s, names=("dq", "dk", "dv"))
+        ops.gqa_backward(do, q, k, v, out, lse, cq, ck, SCALE, "det", cfg=full, max_seqlen_k=short + 1)
+        assert spies["dq_kernel"].count == 4 and spies["dq_kernel"].constexprs["BM"] == 128
         monkeypatch.undo()
         assert torch.equal(g[1], m[1]) and torch.equal(g[2], m[2])  # dK, dV: Gluon pass == Triton kernel
         assert rel_rms(g[0][:sum(lens_q)], t[0][:sum(lens_q)]) < 1e-4

@@ -24,6 +24,12 @@ CONFIGS = {
         "dq": dict(BM=128, BN=64, num_warps=8, num_stages=1),
         # the Gluon dQ pass (gluon_bwd.py): same tiles; operands the Gluon forward cannot read take "dq" above
         "dq_gluon": dict(BM=128, BN=64, num_warps=8),
+        # short documents (max_seqlen_k <= SHORT_DQ_MAX_SEQLEN_K): the same dQ kernel at 64-row tiles of one warpgroup
+        # and 32-key blocks (115 KB of shared memory, 204 registers: two programs per SM; 64-key blocks or 128 rows at
+        # 32 keys keep one program per SM and were slower). Same bits as the route above: each row's products
+        # contract over the same keys in the same 16-key steps
+        "dq_short": dict(BM=64, BN=32, num_warps=4, num_stages=1),
+        "dq_gluon_short": dict(BM=64, BN=32, num_warps=4),
         # S = Q K^T with 128 query rows as M: both warpgroups share the work (a 64-row M replicates it)
         # PAIR "auto": programs take key tiles i and n-1-i of a segment where a model of the schedule says it
         # shortens it (near-equal documents, few programs per SM); the bits are the same either way
@@ -52,6 +58,10 @@ FIX_PROGRAMS_OFF_GPU = 2
 # the 64-row self-loading kernel beats the 128-row one from 32-token documents (0.46 against 0.91 ms) to 512 (0.403
 # against 0.419) and loses from 1024 on (bench/NOTES.md, gqa: the short-document route)
 SHORT_MAX_SEQLEN_K = 512
+# the dQ pass's short-document route: calls whose max_seqlen_k is at most this many keys. On the H200 the 64-row dQ
+# pass beats the 128-row one from 32-token documents (0.58 against 1.30 ms) to 512 (0.630 against 0.639) and loses
+# from 1024 on (0.95 against 0.90; bench/NOTES.md, gqa: the dQ pass on short documents)
+SHORT_DQ_MAX_SEQLEN_K = 512
 SCHEDULE_MAX_WAVES = 12  # "auto" orders are modelled only up to this many dK/dV programs per SM
 # PAIR "auto" pairs only where the model's makespan drops below this fraction: the paired kernel spills a little
 # more, so a small predicted gain measured none (bench/NOTES.md, gqa: PAIR)

@@ -30,8 +30,9 @@ A variant with the roles split by operand (warpgroup 0: S^T and dK, warpgroup 1:
 and fp32 dP^T) was no faster (measured before the two fixes above), and one that forms dS^T of step i+1 while dK of
 step i runs within a two-step loop body spilled and was slower (2.88 ms).
 
-`dq_kernel`: one program = one 128-row query tile and query head, 8 warps; Q and dO resident, K double- and V
-single-buffered (224 KB); S = Q K^T and dP = dO V^T issued back to back, P computed while dP runs; dQ += dS K is an
+`dq_kernel`: one program = one BM-row query tile and query head (128 rows at 8 warps, or for short documents 64 rows
+of one warpgroup at 32-key blocks: 115 KB, two programs per SM); Q and dO resident, K double- and V single-buffered
+(224 KB at 128 rows, 64-key blocks); S = Q K^T and dP = dO V^T issued back to back, P computed while dP runs; dQ += dS K is an
 asynchronous accumulator, waited at the next step (after S and dP of that step are issued), so the tensor cores are
 not idle while dS is formed (5 % faster than waiting at once, same bits; K's stage is refilled one step later); K and
 V rows past the segment zeroed in shared memory (dQ += dS K contracts over keys). A warp-specialized dQ pass (one

@@ -24,7 +24,7 @@ Warp-specialized, three partitions that talk through mbarriers:
 - The rows that come out non-finite get LSE NaN, which sends their tile to `kernels._fwd_fix_kernel`: it runs the
   tile again keeping a later key's non-finite V row from the rows that mask it out (the loop does not look at V).
 - `fwd_kernel` also runs at BM 64 (one warpgroup, which then also zeroes the V rows past the keys); the short-document
-  route (`ops._fwd_configs`) runs `fwd_short_kernel` instead: 64-row tiles, one warpgroup that issues its own TMA
+  route (`ops._route_configs`) runs `fwd_short_kernel` instead: 64-row tiles, one warpgroup that issues its own TMA
   loads into one K and one V buffer, no warp specialization, so two programs share an SM. Both run a row through
   the same steps as a 128-row tile does, so all three give the same bits.
 Requires at least one query and one key, heads contiguous within a token row (head stride = head dim) and rows that do

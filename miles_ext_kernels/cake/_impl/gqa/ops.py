@@ -163,16 +163,15 @@ def _prefix(cu_a, cu_b, T_a: int, T_b: int, buf: torch.Tensor, tile: int) -> tup
 
 # ----------------------------------------------------------------------------------------------------------------
 # launchers
-def _fwd_configs(cfg: dict, gluon: bool, max_seqlen_k: int | None) -> tuple[dict, dict | None]:
-    """(Triton config, Gluon config or None) of a forward call: the short-document route ("fwd_short" /
-    "fwd_gluon_short": 64-row tiles of one warpgroup) where the Gluon kernel runs and the host's max_seqlen_k is at
-    most `configs.SHORT_MAX_SEQLEN_K`, else "fwd" / "fwd_gluon". Both routes give the same bits (a 64-row tile runs
-    the rows of one warpgroup of a 128-row tile, in the same order); the choice depends on host values only."""
-    cg = cfg.get("fwd_gluon") if gluon else None
-    if cg is not None and "fwd_gluon_short" in cfg and max_seqlen_k is not None \
-            and max_seqlen_k <= configs.SHORT_MAX_SEQLEN_K:
-        return cfg["fwd_short"], cfg["fwd_gluon_short"]
-    return cfg["fwd"], cg
+def _route_configs(cfg: dict, name: str, gluon: bool, max_seqlen_k: int | None, bound: int) -> tuple[dict, dict | None]:
+    """(Triton config, Gluon config or None) of pass `name` ("fwd" or "dq"): the short-document route
+    (`<name>_short` / `<name>_gluon_short`: 64-row tiles of one warpgroup) where the Gluon kernel runs and the host's
+    max_seqlen_k is at most `bound`, else `<name>` / `<name>_gluon`. Both routes give the same bits (a 64-row tile
+    runs the rows of one warpgroup of a 128-row tile, in the same order); the choice depends on host values only."""
+    cg = cfg.get(f"{name}_gluon") if gluon else None
+    if cg is not None and f"{name}_gluon_short" in cfg and max_seqlen_k is not None and max_seqlen_k <= bound:
+        return cfg[f"{name}_short"], cfg[f"{name}_gluon_short"]
+    return cfg[name], cg
 
 
 def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None, max_seqlen_k: int | None = None):
@@ -186,7 +185,8 @@ def gqa_forward(q, k, v, cu_q, cu_k, scale: float, cfg=None, max_seqlen_k: int |
     B = cu_q.shape[0] - 1
     out = torch.empty((T_q, H_q, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((H_q, T_q), dtype=torch.float32, device=q.device)
-    c, cg = _fwd_configs(cfg, G is not None and not INTERPRET and _gluon_fwd_fits(q, k, v), max_seqlen_k)
+    c, cg = _route_configs(cfg, "fwd", G is not None and not INTERPRET and _gluon_fwd_fits(q, k, v), max_seqlen_k,
+                           configs.SHORT_MAX_SEQLEN_K)
     upper = cdiv(T_q, c["BM"]) + B
     if upper * H_q == 0:
         return out, lse
@@ -253,7 +253,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     dq = torch.empty((T_q, H_q, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((T_k, H_kv, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((T_k, H_kv, D), dtype=v.dtype, device=v.device)
-    cq, ckv = cfg["dq"], cfg["dkdv"]
+    ckv = cfg["dkdv"]
     # one scratch buffer: [delta fp32 H_q * T_q] [boundaries + tile prefix, q pass] [boundaries + tile prefix, k pass]
     n_delta = _align(H_q * T_q * 4)
     n_ts = _align(3 * varlen.bounds_buffer(B + 1) * 4)
@@ -267,6 +267,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
     svt, svh = _strides(v)
     sdt, sdh = _strides(do)
     gluon_bwd = GB is not None and not INTERPRET and _gluon_bwd_fits(q, k, v, do)
+    cq, cgq = _route_configs(cfg, "dq", gluon_bwd, max_seqlen_k, configs.SHORT_DQ_MAX_SEQLEN_K)
     # dQ first: its kernel also writes delta = rowsum(dO * O), which the dK/dV kernel reads
     upper_q = cdiv(T_q, cq["BM"]) + B
     if upper_q * H_q > 0 and "dq" in parts:
@@ -274,8 +275,7 @@ def gqa_backward(do, q, k, v, out, lse, cu_q, cu_k, scale: float, variant: str, 
         runtime = dict(O=out, LSE=lse, DELTA=delta, DQ=dq, CU_Q=cu_q, CU_K=cu_k, TS=ts_q, sm_scale=float(scale),
                        T_q=T_q, n_seg=B, n_iter=B.bit_length(), H_q=H_q, group=group, sot=_strides(out)[0],
                        soh=_strides(out)[1], sdqt=dq.stride(0), sdqh=dq.stride(1))
-        cgq = cfg.get("dq_gluon")
-        if cgq is not None and gluon_bwd:
+        if cgq is not None:
             assert cgq["BM"] == cq["BM"]  # the tile prefix above counts tiles of BM rows
             launch(GB.dq_kernel, (upper_q * H_q,), q_desc=_gluon_desc(q, cgq["BM"]), k_desc=_gluon_desc(k, cgq["BN"]),
                    v_desc=_gluon_desc(v, cgq["BN"]), do_desc=_gluon_desc(do, cgq["BM"]), **runtime, D=D,
@@ -357,7 +357,7 @@ GQA = KernelOp(OP, forward=_forward, forward_fake=_forward_fake, setup=_setup, b
 def routes(**model_params):
     """The kernel routes of gqa on the current device's arch (head dim fixed at 256: no model parameters): both
     variants (same kernels), the Gluon route (heads of a token contiguous) and the Triton route (wider head stride),
-    the forward's long- and short-document routes, int32 and int64 cu_seqlens, both dK/dV launch orders."""
+    the forward's and the dQ pass's long- and short-document routes, int32 and int64 cu_seqlens, both dK/dV launch orders."""
     if model_params:
         raise TypeError(f"gqa routes take no model parameters, got {sorted(model_params)}")
     arch = INTERPRETER_ARCH if INTERPRET else device_arch()
@@ -373,6 +373,8 @@ def routes(**model_params):
                 for pair, rounds in ((False, False), (True, False), (False, True)):
                     gqa_backward(q, q, k, v, out, lse, cu, cu, DEFAULT_SCALE, "det", max_seqlen_k=2048, pair=pair,
                                  rounds=rounds)
+                # the dQ pass's short-document route (the dK/dV orders above need long documents)
+                gqa_backward(q, q, k, v, out, lse, cu, cu, DEFAULT_SCALE, "det", max_seqlen_k=1, parts=("dq",))
     return rs.routes
 
 
