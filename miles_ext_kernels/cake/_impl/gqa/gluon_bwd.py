@@ -30,14 +30,14 @@ A variant with the roles split by operand (warpgroup 0: S^T and dK, warpgroup 1:
 and fp32 dP^T) was no faster (measured before the two fixes above), and one that forms dS^T of step i+1 while dK of
 step i runs within a two-step loop body spilled and was slower (2.88 ms).
 
-`dq_kernel`: one program = one BM-row query tile and query head (128 rows at 8 warps, or for short documents 64 rows
-of one warpgroup at 32-key blocks: 115 KB, two programs per SM); Q and dO resident, K double- and V single-buffered
-(224 KB at 128 rows, 64-key blocks); S = Q K^T and dP = dO V^T issued back to back, P computed while dP runs; dQ += dS K is an
-asynchronous accumulator, waited at the next step (after S and dP of that step are issued), so the tensor cores are
-not idle while dS is formed (5 % faster than waiting at once, same bits; K's stage is refilled one step later); K and
-V rows past the segment zeroed in shared memory (dQ += dS K contracts over keys). A warp-specialized dQ pass (one
-partition per 64-row warpgroup, as the forward) was 16 % slower: at 240 registers a thread the second warpgroup
-spilled and the single V stage, released by both warpgroups, kept them in step.
+`dq_kernel`: one program = one BM-row query tile and query head (128 rows at 8 warps, or for short documents 64 rows of
+one warpgroup at 32-key blocks: 115 KB, two programs per SM); Q and dO resident, K double- and V single-buffered (224 KB
+at 128 rows, 64-key blocks); S = Q K^T and dP = dO V^T issued back to back, P computed while dP runs; dQ += dS K is an
+asynchronous accumulator, waited at the next step (after S and dP of that step are issued), so the tensor cores are not
+idle while dS is formed (5 % faster than waiting at once, same bits; K's stage is refilled one step later); K and V rows
+past the segment zeroed in shared memory (dQ += dS K contracts over keys). A warp-specialized dQ pass (one partition per
+64-row warpgroup, as the forward) was 16 % slower: at 240 registers a thread the second warpgroup spilled and the single
+V stage, released by both warpgroups, kept them in step.
 
 Bits: fixed tiles that start at segment starts and a fixed order of steps, so dQ, dK and dV repeat bit for bit and
 do not depend on the pack or on the launch order. dK and dV equal the Triton dK/dV kernel's bits: its 128-row query

@@ -357,7 +357,8 @@ GQA = KernelOp(OP, forward=_forward, forward_fake=_forward_fake, setup=_setup, b
 def routes(**model_params):
     """The kernel routes of gqa on the current device's arch (head dim fixed at 256: no model parameters): both
     variants (same kernels), the Gluon route (heads of a token contiguous) and the Triton route (wider head stride),
-    the forward's and the dQ pass's long- and short-document routes, int32 and int64 cu_seqlens, both dK/dV launch orders."""
+    the forward's and the dQ pass's long- and short-document routes, int32 and int64 cu_seqlens, both dK/dV launch
+    orders."""
     if model_params:
         raise TypeError(f"gqa routes take no model parameters, got {sorted(model_params)}")
     arch = INTERPRETER_ARCH if INTERPRET else device_arch()
