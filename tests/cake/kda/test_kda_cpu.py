@@ -131,6 +131,24 @@ def test_k_slices_and_narrow_state_tiles(bk, narrow, monkeypatch):
     _exact(_fp32_case(inp, True))
 
 
+@pytest.mark.parametrize("narrow", [False, True])
+def test_decayed_state_route_same_bits(narrow, monkeypatch):
+    """The state kernels' DECAYED route (k * exp(G_last - G) and q * exp(G) * scale read from decayed_kernel's
+    scratch instead of formed on the sequential path) gives the bits of the default route in bf16: o, the final
+    state and every gradient; documents of 1, chunk - 1, chunk + 1 and 0 tokens, GVA, the safe gate, [V, K] states."""
+    monkeypatch.setattr(configs, "NARROW_BELOW", 1 << 30 if narrow else 0)
+    inp = demo_mod.make_inputs([1, 63, 65, 0, 70], 1, 2, 32, 32, "cpu", gate="safe", trans=True, seed=5)
+    plain = demo_mod.run_impl(inp)
+    for name in ("h", "h_narrow", "dh", "dh_narrow"):
+        monkeypatch.setitem(configs.CFG, name, dict(configs.CFG[name], DECAYED=True))
+    launched = []
+    monkeypatch.setattr(ops, "_decayed_operands", lambda *a, f=ops._decayed_operands: launched.append(a[-1]) or f(*a))
+    decayed = demo_mod.run_impl(inp)
+    assert launched == [False, True]  # kd for the forward's recurrence, kd and qg for the reverse one
+    for n in plain:
+        assert torch.equal(plain[n], decayed[n]), n
+
+
 def _check_all(ours, ref, budgets):
     errs = {n: demo_mod.check_budget(n, ours[n], ref, budgets[n]) for n in ours if n in budgets}
     print("kda cpu errors:", {n: f"{e:.2e}" for n, e in errs.items()})

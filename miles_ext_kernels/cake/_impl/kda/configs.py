@@ -29,6 +29,9 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
   choices; see gdn's configs).
 - h_narrow / dh_narrow: the sequential state kernels switch to these smaller BV tiles where the wide tiles would give
   fewer than NARROW_BELOW programs (few long documents); the choice depends only on host shapes.
+- DECAYED (any state entry: h, h_narrow, dh, dh_narrow; off everywhere until timed on a GPU): that state kernel
+  reads k * exp(G_last - G) (and in dh q * exp(G) * scale) from scratch filled per chunk by `decayed` (its key slices
+  BK) instead of forming them from k, q and the fp32 G on its sequential path; the same bits either way.
 - gate_sum: the fixed-order column sum of the per-chunk dA_log / ddt_bias partials (BP slots per step, BN columns
   per program).
 """
@@ -47,6 +50,7 @@ CFG = tables.table(
     intra=dict(num_warps=2, BK=32),
     dg=dict(num_warps=4, BK=32),
     gate_sum=dict(num_warps=4, BP=32, BN=128),
+    decayed=dict(num_warps=4, BK=32),
 )
 for _name in ("prep", "dqkw", "wy"):  # gdn's kernels that kda does not launch
     del CFG[_name]

@@ -410,11 +410,47 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V:
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def decayed_kernel(q, k, gc, se, table, kd, qg, scale, H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                   WITH_Q: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per chunk, the state kernels' decay-weighted operands, for their DECAYED route: kd = k * exp(G_last - G) and
+    (WITH_Q) qg = q * exp(G) * scale, both rounded to the run's dtype, [T, HV, K] (0 past the document's end): the
+    same values, bit for bit, that fwd_h_kernel and bwd_dh_kernel otherwise form per chunk on their sequential path
+    (the same fp32 operands from gc and the same operations), so the route changes the time, never the bits."""
+    p = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.load(table + 2 * p)
+    if n < 0:
+        return
+    ic, bos, eos = _chunk_doc(table, se, p, n)
+    hk = hv // (HV // H)
+    DT = k.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    t0 = bos + ic * BT
+    rows = t0 + o_t
+    m = rows < eos
+    last = tl.minimum(t0 + BT, eos) - 1
+    for ks in range(0, K // BK):
+        o_k = ks * BK + tl.arange(0, BK)
+        g_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
+        qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
+        g_last = tl.load(gc + last * (HV * K) + hv * K + o_k)
+        b_g = tl.load(gc + g_off, mask=m[:, None], other=0.)
+        fac = tl.where(m[:, None], tl.exp(g_last[None, :] - b_g), 0.)
+        b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
+        tl.store(kd + g_off, _rnd((b_k.to(tl.float32) * fac), DT, INTERPRET), mask=m[:, None])
+        if WITH_Q:
+            b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
+            b_qg = _rnd((b_q.to(tl.float32) * tl.where(m[:, None], tl.exp(b_g) * scale, 0.)), DT, INTERPRET)
+            tl.store(qg + g_off, b_qg, mask=m[:, None])
+
+
+@triton.jit(do_not_specialize=["H", "HV"])
+def fwd_h_kernel(k, kd, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, TRANS_STATE: tl.constexpr,
-                 STORE_H: tl.constexpr, VU: tl.constexpr, INTERPRET: tl.constexpr):
+                 STORE_H: tl.constexpr, VU: tl.constexpr, DECAYED: tl.constexpr, INTERPRET: tl.constexpr):
     """The inter-chunk state recurrence of one sequence and value head (a BV-wide slice of V). STORE_H off: only
-    the final state (context parallelism's extra pass). u holds the first VU of the V columns (the rest read 0)."""
+    the final state (context parallelism's extra pass). u holds the first VU of the V columns (the rest read 0).
+    DECAYED: k * exp(G_last - G) is read from kd (decayed_kernel) instead of formed here from k and G (same bits)."""
     iv, n, hv, hk, bos, eos, nt, slot0 = _seq_program(se, H, HV, BT)
     DT = k.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -439,10 +475,13 @@ def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.c
             tl.store(vn + rows[:, None] * (HV * V) + hv * V + o_v[None, :], b_vn, mask=m[:, None])
         last = tl.minimum(t0 + BT, eos) - 1
         g_last = tl.load(gc + last * (HV * K) + hv * K + o_k)
-        b_gct = tl.load(gc + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)  # G^T
-        fac = tl.where(m[None, :], tl.exp(g_last[:, None] - b_gct), 0.)
-        b_kt = tl.load(k + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
-        b_kt = _rnd((b_kt.to(tl.float32) * fac), DT, INTERPRET)
+        if DECAYED:
+            b_kt = tl.load(kd + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)
+        else:
+            b_gct = tl.load(gc + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)  # G^T
+            fac = tl.where(m[None, :], tl.exp(g_last[:, None] - b_gct), 0.)
+            b_kt = tl.load(k + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
+            b_kt = _rnd((b_kt.to(tl.float32) * fac), DT, INTERPRET)
         b_h = b_h * tl.exp(g_last)[:, None] + _dot(b_kt, b_vn, INTERPRET)
     if STORE_HT:
         tl.store(ht + st_off, b_h)
@@ -510,12 +549,14 @@ def bwd_dvl_kernel(Aqk, do, vn, se, table, dvl, dAqk, scale, H, HV, V: tl.conste
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
-                  BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                  STORE_DHE: tl.constexpr, TRANS_STATE: tl.constexpr, INTERPRET: tl.constexpr):
+def bwd_dh_kernel(q, k, kd, qg, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: tl.constexpr,
+                  V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                  STORE_DHE: tl.constexpr, TRANS_STATE: tl.constexpr, DECAYED: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     """Reverse state recurrence: dhe[slot] = d(state at the chunk end); dd = full d(dlt) (dvl, its in-chunk part
     from bwd_dvl_kernel, plus the state's); dh0. STORE_DHE off: only dh0 (context parallelism's extra pass, whose
-    dhe and dd the op's own pass would overwrite)."""
+    dhe and dd the op's own pass would overwrite). DECAYED: k * exp(G_last - G) and q * exp(G) * scale are read
+    from kd and qg (decayed_kernel) instead of formed here (same bits)."""
     iv, n, hv, hk, bos, eos, nt, slot0 = _seq_program(se, H, HV, BT)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -531,10 +572,13 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: 
             _store_slot(dhe, slot0 + ic, hv, HV, o_k, o_v, b_dh, K, V, DT, INTERPRET)
         last = tl.minimum(t0 + BT, eos) - 1
         g_last = tl.load(gc + last * (HV * K) + hv * K + o_k)
-        b_gc = tl.load(gc + rows[:, None] * (HV * K) + hv * K + o_k[None, :], mask=m[:, None], other=0.)
-        fac = tl.where(m[:, None], tl.exp(g_last[None, :] - b_gc), 0.)
-        b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
-        b_kd = _rnd((b_k.to(tl.float32) * fac), DT, INTERPRET)
+        if DECAYED:
+            b_kd = tl.load(kd + rows[:, None] * (HV * K) + hv * K + o_k[None, :], mask=m[:, None], other=0.)
+        else:
+            b_gc = tl.load(gc + rows[:, None] * (HV * K) + hv * K + o_k[None, :], mask=m[:, None], other=0.)
+            fac = tl.where(m[:, None], tl.exp(g_last[None, :] - b_gc), 0.)
+            b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
+            b_kd = _rnd((b_k.to(tl.float32) * fac), DT, INTERPRET)
         b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
         b_dvl = tl.load(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None],
                         other=0.).to(tl.float32)
@@ -542,9 +586,12 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: 
         b_dd = _rnd(b_dd, DT, INTERPRET)
         if STORE_DHE:
             tl.store(dd + rows[:, None] * (HV * V) + hv * V + o_v[None, :], b_dd, mask=m[:, None])
-        b_qr = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)  # q^T
-        b_gct = tl.load(gc + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)  # G^T
-        b_qt = _rnd((b_qr.to(tl.float32) * tl.where(m[None, :], tl.exp(b_gct) * scale, 0.)), DT, INTERPRET)
+        if DECAYED:
+            b_qt = tl.load(qg + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)
+        else:
+            b_qr = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)  # q^T
+            b_gct = tl.load(gc + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)  # G^T
+            b_qt = _rnd((b_qr.to(tl.float32) * tl.where(m[None, :], tl.exp(b_gct) * scale, 0.)), DT, INTERPRET)
         b_wt = tl.load(w + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)
         b_dh = b_dh * tl.exp(g_last)[:, None] + _dot(b_qt, b_do, INTERPRET) - _dot(b_wt, b_dd, INTERPRET)
     if STORE_DH0:

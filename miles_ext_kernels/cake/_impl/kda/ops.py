@@ -92,6 +92,25 @@ def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2
 
 # ----------------------------------------------------------------------------------------------------------------
 # launchers (no autograd)
+def _decayed(tab: dict, cname: str) -> bool:
+    """Whether the state kernel of config entry `cname` takes its decay-weighted operands from decayed_kernel (the
+    entry's DECAYED; a host choice by shapes, as the entry is: the bits are the same either way)."""
+    return bool(tab[cname].get("DECAYED", False))
+
+
+def _decayed_operands(tab, qn, kk, gc, se, table, scale, with_q):
+    """kd = k * exp(G_last - G) and, with_q, qg = q * exp(G) * scale ([T, HV, K] in the run's dtype, scratch) for
+    the state kernels' DECAYED route: kd alone, or (kd, qg)."""
+    Tt, HV, K = gc.shape
+    H = kk.shape[-2]
+    kd = _ws("kd", (Tt, HV, K), kk.dtype, gc.device)
+    qg = _ws("qg", (Tt, HV, K), kk.dtype, gc.device) if with_q else gc
+    launch(kn.decayed_kernel, (table.shape[0], HV), q=qn if with_q else kk, k=kk, gc=gc, se=se, table=table, kd=kd,
+           qg=qg, scale=float(scale), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["decayed"]["BK"]), WITH_Q=with_q,
+           INTERPRET=INTERPRET, **_cfg(tab, "decayed"))
+    return (kd, qg) if with_q else kd
+
+
 def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                 cu_seqlens: Optional[torch.Tensor], scale: float, lower_bound: float, gate: int,
@@ -157,11 +176,12 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
         ht_shape = (n, HV, VX, K) if trans_state else (n, HV, K, VX)
         ht = torch.empty(ht_shape, dtype=torch.float32, device=device) if want_ht else core.empty0(device)
         cname, BV = _state_cfg(tab, "h", VX, n * HV)
-        launch(kn.fwd_h_kernel, (n * HV, VX // BV), k=kk, w=w, u=u_x, gc=gc, se=se_x,
+        decayed = cp is None and _decayed(tab, cname)
+        kd = _decayed_operands(tab, qn, kk, gc, se, table, scale, False) if decayed else gc
+        launch(kn.fwd_h_kernel, (n * HV, VX // BV), k=kk, kd=kd, w=w, u=u_x, gc=gc, se=se_x,
                h0=h0_x if h0_x is not None else gc, h=h, vn=vn, ht=ht if want_ht else gc, H=H, HV=HV, K=K, V=VX,
                BT=BT, BV=BV, USE_H0=h0_x is not None, STORE_HT=want_ht, TRANS_STATE=trans_state, STORE_H=store_h,
-               VU=u_x.shape[-1],
-               INTERPRET=INTERPRET, **_cfg(tab, cname))
+               VU=u_x.shape[-1], DECAYED=decayed, INTERPRET=INTERPRET, **_cfg(tab, cname))
         return h, vn, ht
 
     gathered = None
@@ -237,11 +257,13 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
         n = se_x.shape[0]
         dh0 = torch.empty(dh0_shape, dtype=torch.float32, device=device) if dh0_shape else None
         cname, BV = _state_cfg(tab, "dh", V, n * HV)
-        launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
+        decayed = cp is None and _decayed(tab, cname)
+        kd, qg = _decayed_operands(tab, qn, kk, gc, se, table, scale, True) if decayed else (gc, gc)
+        launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, kd=kd, qg=qg, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
                dht=dht_x if dht_x is not None else gc, dh0=dh0 if dh0 is not None else gc, dhe=dhe, dd=dd,
                scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dht_x is not None,
-               STORE_DH0=dh0 is not None, STORE_DHE=store, TRANS_STATE=trans_state, INTERPRET=INTERPRET,
-               **_cfg(tab, cname))
+               STORE_DH0=dh0 is not None, STORE_DHE=store, TRANS_STATE=trans_state, DECAYED=decayed,
+               INTERPRET=INTERPRET, **_cfg(tab, cname))
         return dhe, dd, dh0
 
     se_own = se
