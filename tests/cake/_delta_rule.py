@@ -54,11 +54,11 @@ def _per_name_check(name, got, ref, budget):
 
 
 def check_against_fp64_and_peer(tag: str, ours: dict, ref: dict, peer, budgets: dict, error=_per_name_error,
-                                check=_per_name_check) -> None:
+                                check=_per_name_check, tied=FWD) -> None:
     """Prints `tag` and, per tensor, our error, the peer's (fla's; NaN without one), our result x 1.02's and the
-    budget (JSON); then each tensor of `ours` must be within its budget, o and ht within 1.1 x the peer's error too
-    where a peer ran. `error(name, got, ref)` and `check(name, got, ref, budget)` take the whole reference dict
-    (default: the relative RMS against ref[name], check_budget)."""
+    budget (JSON); then each tensor of `ours` must be within its budget, each tensor named in `tied` (default o and
+    ht) within 1.1 x the peer's error too where a peer ran. `error(name, got, ref)` and `check(name, got, ref,
+    budget)` take the whole reference dict (default: the relative RMS against ref[name], check_budget)."""
     rows = {}
     for name in ours:
         rows[name] = dict(ours=error(name, ours[name], ref),
@@ -67,7 +67,7 @@ def check_against_fp64_and_peer(tag: str, ours: dict, ref: dict, peer, budgets: 
     print(f"\n{tag} " + json.dumps(rows))
     for name in ours:
         budget = budgets[name]
-        if peer is not None and name in FWD:
+        if peer is not None and name in tied:
             budget = min(budget, 1.1 * rows[name]["fla"])
         check(name, ours[name], ref, budget)
 

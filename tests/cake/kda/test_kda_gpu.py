@@ -24,7 +24,8 @@ CASE = dict(gate="safe", trans=True, l2=True)  # Kimi-K3's call in miles
 
 def fla_impl():
     """fla's chunk_kda with our keyword names, or None. fla refuses triton 3.4 - 3.7.0 on Hopper for its gated
-    backward (a codegen bug): the guard is lifted to run it, so only its forward is trusted as a peer. KDA_NO_FLA=1
+    backward (a codegen bug): the guard is lifted to run it (a miscompiled fla gradient could only loosen the 1.1x
+    tie of ours to it, never fail a correct one). KDA_NO_FLA=1
     skips it (its first call autotunes for minutes)."""
     if os.environ.get("KDA_NO_FLA") == "1":
         return None
@@ -71,7 +72,11 @@ def case():
 
 
 def _check(tag, ours, ref, peer):
-    delta_rule.check_against_fp64_and_peer(tag, ours, ref, peer, BUDGETS, demo_mod.error, demo_mod.check_budget)
+    """Every tensor within its budget and within 1.1 x fla's error on the same inputs where fla ran (the issue's
+    accuracy bar; fla's backward runs with its Hopper guard lifted: a miscompiled fla gradient only loosens its
+    tie)."""
+    delta_rule.check_against_fp64_and_peer(tag, ours, ref, peer, BUDGETS, demo_mod.error, demo_mod.check_budget,
+                                           tied=tuple(ours))
 
 
 def test_accuracy_vs_fp64_and_fla(case):

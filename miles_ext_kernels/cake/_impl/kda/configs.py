@@ -24,14 +24,17 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
 - "h" takes 2 stages (3 need 246 784 B of shared memory, over the H200's 232 448: the G^T tile of a vector gate is
   pipelined too).
 - maxnreg (any entry, optional): a per-thread register cap for that kernel (launch option); none set.
-- final LOW_PARTIALS: the per-value-head dq, dk sums read by bwd_final kept in the input dtype (bf16) instead of
-  fp32; LOW_DK: the dense backward's dk partial, completed by the in-chunk backward, in the input dtype too (gdn's
-  choices; see gdn's configs).
+- final LOW_PARTIALS, LOW_DK (both off, unlike gdn): the per-value-head dq, dk sums read by bwd_final, and the dense
+  backward's dk partial completed by the in-chunk backward, in fp32. In the input dtype (bf16, gdn's choice) they
+  cost kda dq / dk 1.11 - 1.17x fla 0.6.0's error against FP64 (fla keeps them in fp32); in fp32 0.998x (H100,
+  tests/cake/kda/test_kda_gpu.py's cases; bench/NOTES.md kda, "dq / dk partials in fp32").
 - h_narrow / dh_narrow: the sequential state kernels switch to these smaller BV tiles where the wide tiles would give
   fewer than NARROW_BELOW programs (few long documents); the choice depends only on host shapes.
-- DECAYED (any state entry: h, h_narrow, dh, dh_narrow; off everywhere until timed on a GPU): that state kernel
-  reads k * exp(G_last - G) (and in dh q * exp(G) * scale) from scratch filled per chunk by `decayed` (its key slices
-  BK) instead of forming them from k, q and the fp32 G on its sequential path; the same bits either way.
+- DECAYED (any state entry: h, h_narrow, dh, dh_narrow): that state kernel reads k * exp(G_last - G) (and in dh
+  q * exp(G) * scale) from scratch filled per chunk by `decayed` (its key slices BK) instead of forming them from k,
+  q and the fp32 G on its sequential path; the same bits either way. On for the narrow tiles (one 32 768-token
+  document, H32: fwd + bwd 20.75 -> 19.02 ms, H100; 2 / 1 stages or dh at BV 16 were slower); off for the wide ones
+  (predicted a loss: the operand pass costs more than the wide kernels' exps, bench/NOTES.md kda).
 - gate_sum: the fixed-order column sum of the per-chunk dA_log / ddt_bias partials (BP slots per step, BN columns
   per program).
 """
@@ -46,11 +49,14 @@ CFG = tables.table(
     o=dict(num_warps=4, BV=128),
     wu=dict(num_warps=8),
     h=dict(num_warps=8, num_stages=2, BV=128),
+    h_narrow=dict(num_warps=4, num_stages=3, BV=32, DECAYED=True),
+    dh_narrow=dict(num_warps=4, num_stages=2, BV=32, DECAYED=True),
     dense=dict(num_warps=8, BK=32, num_stages=4),
     intra=dict(num_warps=2, BK=32),
     dg=dict(num_warps=4, BK=32),
     gate_sum=dict(num_warps=4, BP=32, BN=128),
     decayed=dict(num_warps=4, BK=32),
+    final=dict(num_warps=4, BR=16, LOW_PARTIALS=False, LOW_DK=False),
 )
 for _name in ("prep", "dqkw", "wy"):  # gdn's kernels that kda does not launch
     del CFG[_name]
