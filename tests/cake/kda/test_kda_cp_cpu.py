@@ -67,6 +67,27 @@ def test_cp_bf16_within_the_one_process_budgets_and_det_bits():
         assert torch.equal(ours[n], again[n]), n
 
 
+@pytest.mark.parametrize("layout, W, lens, gate", CASES[::2])
+def test_cp_decayed_route_gives_the_plain_routes_bits(layout, W, lens, gate, monkeypatch):
+    """Under CP every state pass (the pieces' own and the exporting pieces' extra passes, forward and reverse) reads
+    the DECAYED operands where its entry says so (the narrow entries, shipped): the same bits as forming them on the
+    chain, for every output and gradient."""
+    configs = importlib.import_module("miles_ext_kernels.cake._impl.kda.configs")
+    assert all(configs.CFG[n].get("DECAYED") for n in ("h_narrow", "dh_narrow"))
+    inp = demo_mod.make_inputs(lens, 1, 2, 32, 32, "cpu", h0=False, gate=gate, seed=5)
+    launched = []
+    real = ops._decayed_operands
+    monkeypatch.setattr(ops, "_decayed_operands", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
+    decayed = _cp(inp, layout, W, True)
+    assert launched and all(kw.get("keep") for kw in launched)  # its own buffers: other ranks' stages run between
+    for n in ("h_narrow", "dh_narrow"):
+        monkeypatch.setitem(configs.CFG, n, dict(configs.CFG[n], DECAYED=False))
+    plain = _cp(inp, layout, W, True)
+    assert set(decayed) == set(plain)
+    for n in plain:
+        assert torch.equal(decayed[n], plain[n]), n
+
+
 def test_cp_call_argument_rules():
     inp = demo_mod.make_inputs([64], 1, 2, 16, 16, "cpu", h0=False)
     ctx = rcp.simulated_contexts(inp["cu"], 2)[0]

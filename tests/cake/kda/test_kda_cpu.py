@@ -138,11 +138,15 @@ def test_decayed_state_route_same_bits(narrow, monkeypatch):
     state and every gradient; documents of 1, chunk - 1, chunk + 1 and 0 tokens, GVA, the safe gate, [V, K] states."""
     monkeypatch.setattr(configs, "NARROW_BELOW", 1 << 30 if narrow else 0)
     inp = demo_mod.make_inputs([1, 63, 65, 0, 70], 1, 2, 32, 32, "cpu", gate="safe", trans=True, seed=5)
+    states = ("h", "h_narrow", "dh", "dh_narrow")
+    for name in states:
+        monkeypatch.setitem(configs.CFG, name, dict(configs.CFG[name], DECAYED=False))
     plain = demo_mod.run_impl(inp)
-    for name in ("h", "h_narrow", "dh", "dh_narrow"):
+    for name in states:
         monkeypatch.setitem(configs.CFG, name, dict(configs.CFG[name], DECAYED=True))
     launched = []
-    monkeypatch.setattr(ops, "_decayed_operands", lambda *a, f=ops._decayed_operands: launched.append(a[-1]) or f(*a))
+    monkeypatch.setattr(ops, "_decayed_operands",
+                        lambda *a, f=ops._decayed_operands, **kw: launched.append(a[-1]) or f(*a, **kw))
     decayed = demo_mod.run_impl(inp)
     assert launched == [False, True]  # kd for the forward's recurrence, kd and qg for the reverse one
     for n in plain:
@@ -254,22 +258,21 @@ def test_check_seqlens_option_checks_on_the_host(monkeypatch):
 
 
 def test_routes_are_the_launchers_launches():
-    """routes() runs the launchers on meta tensors over every flag: 69 distinct specializations at 128 / 128 (the
+    """routes() runs the launchers on meta tensors over every flag: 63 distinct specializations at 128 / 128 (the
     table kernel for int32 and int64 cu_seqlens; gate and the dg backward per gate kind and raw-gate dtype; the state
     kernels with and without initial / final state, in both layouts, wide and narrow (the narrow ones on the shipped
-    DECAYED route, with its operand kernel with and without q, and on the plain route, which context parallelism's
-    pieces take); context parallelism's
+    DECAYED route, with its operand kernel with and without q); context parallelism's
     final-state-only passes (forward over V + K columns, backward storing only dh0; a document's first and last
     pieces take the plain routes), wide and narrow, and its chain step, both directions), each recorded
     from a real launch site, so none can drift from what a call launches."""
     rs = ops.routes(128, 128)
     labels = [r.label for r in rs]
-    assert len(labels) == len(set(labels)) == 69
+    assert len(labels) == len(set(labels)) == 63
     count = lambda prefix: sum(lab.startswith(prefix) for lab in labels)  # noqa: E731
     assert count("chunk_table_kernel[") == 2
     assert count("fwd_gate_kernel[") == count("bwd_dg_kernel[") == 5  # none; softplus, sigmoid x fp32, bf16 raw g
-    assert count("fwd_h_kernel[") == 21 and count("bwd_dh_kernel[") == 21
-    assert count("decayed_kernel[") == 2 and sum("DECAYED=True" in lab for lab in labels) == 16
+    assert count("fwd_h_kernel[") == 18 and count("bwd_dh_kernel[") == 18
+    assert count("decayed_kernel[") == 2 and sum("DECAYED=True" in lab for lab in labels) == 18  # narrow, CP's too
     assert sum("STORE_DHE=False" in lab for lab in labels) == 2
     assert count("chain_step_kernel[") == 2
     assert count("gate_sum_kernel[") == count("bwd_dense_kernel[") == count("bwd_intra_kernel[") == 1

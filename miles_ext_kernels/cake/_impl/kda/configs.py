@@ -31,8 +31,9 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
 - h_narrow / dh_narrow: the sequential state kernels switch to these smaller BV tiles where the wide tiles would give
   fewer than NARROW_BELOW programs (few long documents); the choice depends only on host shapes.
 - DECAYED (any state entry: h, h_narrow, dh, dh_narrow): that state kernel reads k * exp(G_last - G) (and in dh
-  q * exp(G) * scale) from scratch filled per chunk by `decayed` (its key slices BK) instead of forming them from k,
-  q and the fp32 G on its sequential path; the same bits either way. On for the narrow tiles (one 32 768-token
+  q * exp(G) * scale) from buffers filled per chunk by `decayed` (its key slices BK; once per call, read by every
+  state pass of the call, context parallelism's extra passes included) instead of forming them from k, q and the
+  fp32 G on its sequential path; the same bits either way. On for the narrow tiles (one 32 768-token
   document, H32: fwd + bwd 20.75 -> 19.02 ms, H100; 2 / 1 stages or dh at BV 16 were slower); off for the wide ones
   (predicted a loss: the operand pass costs more than the wide kernels' exps, bench/NOTES.md kda).
 - gate_sum: the fixed-order column sum of the per-chunk dA_log / ddt_bias partials (BP slots per step, BN columns

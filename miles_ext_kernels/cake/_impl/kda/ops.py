@@ -98,13 +98,18 @@ def _decayed(tab: dict, cname: str) -> bool:
     return bool(tab[cname].get("DECAYED", False))
 
 
-def _decayed_operands(tab, qn, kk, gc, se, table, scale, with_q):
-    """kd = k * exp(G_last - G) and, with_q, qg = q * exp(G) * scale ([T, HV, K] in the run's dtype, scratch) for
-    the state kernels' DECAYED route: kd alone, or (kd, qg)."""
+def _decayed_operands(tab, qn, kk, gc, se, table, scale, with_q, keep=False):
+    """kd = k * exp(G_last - G) and, with_q, qg = q * exp(G) * scale ([T, HV, K] in the run's dtype) for the state
+    kernels' DECAYED route: kd alone, or (kd, qg). Scratch, or (keep: under CP, whose other ranks' stages may run
+    between this launch and the last state pass that reads them) buffers of their own."""
     Tt, HV, K = gc.shape
     H = kk.shape[-2]
-    kd = _ws("kd", (Tt, HV, K), kk.dtype, gc.device)
-    qg = _ws("qg", (Tt, HV, K), kk.dtype, gc.device) if with_q else gc
+
+    def buf(name):
+        return torch.empty(Tt, HV, K, dtype=kk.dtype, device=gc.device) if keep else \
+            _ws(name, (Tt, HV, K), kk.dtype, gc.device)
+    kd = buf("kd")
+    qg = buf("qg") if with_q else gc
     launch(kn.decayed_kernel, (table.shape[0], HV), q=qn if with_q else kk, k=kk, gc=gc, se=se, table=table, kd=kd,
            qg=qg, scale=float(scale), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["decayed"]["BK"]), WITH_Q=with_q,
            INTERPRET=INTERPRET, **_cfg(tab, "decayed"))
@@ -171,13 +176,17 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     h_all = torch.empty(P, HV, K, V, dtype=dt, device=device)
     vn_all = torch.empty(Tt, HV, V, dtype=dt, device=device)
 
+    operands = []  # kd, formed once per call for every state pass that takes the DECAYED route
+
     def run_state(se_x, u_x, h0_x, n, VX, want_ht, store_h):
         h, vn = (h_all, vn_all) if store_h else (core.empty0(device, dt), core.empty0(device, dt))
         ht_shape = (n, HV, VX, K) if trans_state else (n, HV, K, VX)
         ht = torch.empty(ht_shape, dtype=torch.float32, device=device) if want_ht else core.empty0(device)
         cname, BV = _state_cfg(tab, "h", VX, n * HV)
-        decayed = cp is None and _decayed(tab, cname)
-        kd = _decayed_operands(tab, qn, kk, gc, se, table, scale, False) if decayed else gc
+        decayed = _decayed(tab, cname)
+        if decayed and not operands:
+            operands.append(_decayed_operands(tab, qn, kk, gc, se, table, scale, False, keep=cp is not None))
+        kd = operands[0] if decayed else gc
         launch(kn.fwd_h_kernel, (n * HV, VX // BV), k=kk, kd=kd, w=w, u=u_x, gc=gc, se=se_x,
                h0=h0_x if h0_x is not None else gc, h=h, vn=vn, ht=ht if want_ht else gc, H=H, HV=HV, K=K, V=VX,
                BT=BT, BV=BV, USE_H0=h0_x is not None, STORE_HT=want_ht, TRANS_STATE=trans_state, STORE_H=store_h,
@@ -253,12 +262,16 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     dhe = _ws("dhe", (P, HV, K, V), dt, device) if cp is None else torch.empty(P, HV, K, V, dtype=dt, device=device)
     dd = _ws("dd", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
 
+    operands = []  # (kd, qg), formed once per call for every reverse pass that takes the DECAYED route
+
     def run_dh(se_x, dht_x, dh0_shape, store=True):
         n = se_x.shape[0]
         dh0 = torch.empty(dh0_shape, dtype=torch.float32, device=device) if dh0_shape else None
         cname, BV = _state_cfg(tab, "dh", V, n * HV)
-        decayed = cp is None and _decayed(tab, cname)
-        kd, qg = _decayed_operands(tab, qn, kk, gc, se, table, scale, True) if decayed else (gc, gc)
+        decayed = _decayed(tab, cname)
+        if decayed and not operands:
+            operands.append(_decayed_operands(tab, qn, kk, gc, se, table, scale, True, keep=cp is not None))
+        kd, qg = operands[0] if decayed else (gc, gc)
         launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, kd=kd, qg=qg, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
                dht=dht_x if dht_x is not None else gc, dh0=dh0 if dh0 is not None else gc, dhe=dhe, dd=dd,
                scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dht_x is not None,
