@@ -248,6 +248,32 @@ def test_torch_compile_fullgraph_traces():
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
 
+def _fwd_bwd_leaves(inp, wrap=None):
+    """o, ht and every gradient of one safe-gate call on fresh leaves; `wrap(f, *leaves)` runs the call (default:
+    directly)."""
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
+    leaves = [inp[n].detach().clone().requires_grad_(True) for n in names]
+
+    def f(q, k, v, g, beta, A_log, dt_bias, h0):
+        return kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                             safe_gate=True, lower_bound=-5.0, transpose_state_layout=True, cu_seqlens=inp["cu"])
+    o, ht = (wrap or (lambda fn, *a: fn(*a)))(f, *leaves)
+    grads = torch.autograd.grad((o, ht), leaves, (inp["do"], inp["dht"]))
+    return [o.detach(), ht.detach(), *grads]
+
+
+def test_activation_checkpointing_gives_the_same_bits():
+    """Under torch.utils.checkpoint (the forward run again in the backward) o, the final state and every gradient
+    equal the plain call's bit for bit."""
+    inp = demo_mod.make_inputs([20, 0, 65], 1, 2, 16, 16, "cpu", gate="safe", trans=True, seed=4)
+    plain = _fwd_bwd_leaves(inp)
+    ckpt = _fwd_bwd_leaves(inp, lambda f, *a: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False))
+    assert len(plain) == 10
+    for i, (a, b) in enumerate(zip(plain, ckpt)):
+        assert torch.equal(a, b), i
+
+
 def test_check_seqlens_option_checks_on_the_host(monkeypatch):
     """With kda_check_seqlens the boundaries go through the shared host check (exactly at T) before any launch."""
     seen = record_cu_seqlens_checks(monkeypatch)
