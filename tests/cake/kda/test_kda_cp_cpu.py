@@ -67,19 +67,29 @@ def test_cp_bf16_within_the_one_process_budgets_and_det_bits():
         assert torch.equal(ours[n], again[n]), n
 
 
-@pytest.mark.parametrize("layout, W, lens, gate", CASES[::2])
+@pytest.mark.parametrize("layout, W, lens, gate", [
+    ("contiguous", 3, [200, 0, 40], "safe"),
+    ("zigzag", 2, [64, 128, 4], "softplus"),
+    ("contiguous", 4, [10, 190, 8], "pre"),  # two middle pieces: several extra passes on one rank
+])
 def test_cp_decayed_route_gives_the_plain_routes_bits(layout, W, lens, gate, monkeypatch):
-    """Under CP every state pass (the pieces' own and the exporting pieces' extra passes, forward and reverse) reads
-    the DECAYED operands where its entry says so (the narrow entries, shipped): the same bits as forming them on the
-    chain, for every output and gradient."""
+    """Under CP every state pass (the pieces' own and the extra passes of pieces that import and export, forward and
+    reverse) reads the DECAYED operands where its entry says so (the narrow entries, shipped; V = 64 so that every
+    pass takes them): the same bits as forming them on the chain, for every output and gradient."""
     configs = importlib.import_module("miles_ext_kernels.cake._impl.kda.configs")
     assert all(configs.CFG[n].get("DECAYED") for n in ("h_narrow", "dh_narrow"))
-    inp = demo_mod.make_inputs(lens, 1, 2, 32, 32, "cpu", h0=False, gate=gate, seed=5)
-    launched = []
-    real = ops._decayed_operands
-    monkeypatch.setattr(ops, "_decayed_operands", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
+    inp = demo_mod.make_inputs(lens, 1, 2, 32, 64, "cpu", h0=False, gate=gate, seed=5)
+    launched, passes = [], []
+    real_operands, real_launch = ops._decayed_operands, ops.launch
+    monkeypatch.setattr(ops, "_decayed_operands", lambda *a, **kw: launched.append((a[-1], kw.get("keep")))
+                        or real_operands(*a, **kw))
+    monkeypatch.setattr(ops, "launch", lambda kernel, grid, **kw: passes.append((kernel.fn.__name__, kw.get(
+        "DECAYED"))) or real_launch(kernel, grid, **kw))
     decayed = _cp(inp, layout, W, True)
-    assert launched and all(kw.get("keep") for kw in launched)  # its own buffers: other ranks' stages run between
+    # the operands once per rank and stage (kd forward, kd and qg backward), in buffers of their own
+    assert sorted(set(launched)) == [(False, True), (True, True)] and len(launched) == 2 * W
+    states = [d for name, d in passes if name in ("fwd_h_kernel", "bwd_dh_kernel")]
+    assert len(states) > 2 * W and all(states)  # more passes than ranks x stages: the extra ones, all DECAYED
     for n in ("h_narrow", "dh_narrow"):
         monkeypatch.setitem(configs.CFG, n, dict(configs.CFG[n], DECAYED=False))
     plain = _cp(inp, layout, W, True)
