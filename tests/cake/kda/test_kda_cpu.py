@@ -137,7 +137,8 @@ def test_decayed_state_route_same_bits(narrow, monkeypatch):
     scratch instead of formed on the sequential path) gives the bits of the default route in bf16: o, the final
     state and every gradient; documents of 1, chunk - 1, chunk + 1 and 0 tokens, GVA, the safe gate, [V, K] states."""
     monkeypatch.setattr(configs, "NARROW_BELOW", 1 << 30 if narrow else 0)
-    inp = demo_mod.make_inputs([1, 63, 65, 0, 70], 1, 2, 32, 32, "cpu", gate="safe", trans=True, seed=5)
+    # V = 64: the narrow entries' BV 32 is below V, so they are taken (at V = 32 both would run the wide ones)
+    inp = demo_mod.make_inputs([1, 63, 65, 0, 70], 1, 2, 32, 64, "cpu", gate="safe", trans=True, seed=5)
     states = ("h", "h_narrow", "dh", "dh_narrow")
     for name in states:
         monkeypatch.setitem(configs.CFG, name, dict(configs.CFG[name], DECAYED=False))
@@ -147,8 +148,12 @@ def test_decayed_state_route_same_bits(narrow, monkeypatch):
     launched = []
     monkeypatch.setattr(ops, "_decayed_operands",
                         lambda *a, f=ops._decayed_operands, **kw: launched.append(a[-1]) or f(*a, **kw))
+    tiles = []
+    monkeypatch.setattr(ops, "launch", lambda kernel, grid, f=ops.launch, **kw: (
+        kernel.fn.__name__ in ("fwd_h_kernel", "bwd_dh_kernel") and tiles.append(kw["BV"])) or f(kernel, grid, **kw))
     decayed = demo_mod.run_impl(inp)
     assert launched == [False, True]  # kd for the forward's recurrence, kd and qg for the reverse one
+    assert tiles == [32, 32] if narrow else tiles == [64, 64]
     for n in plain:
         assert torch.equal(plain[n], decayed[n]), n
 
