@@ -35,7 +35,7 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
   state pass of the call, context parallelism's extra passes included) instead of forming them from k, q and the
   fp32 G on its sequential path; the same bits either way. On for the narrow tiles (one 32 768-token
   document, H32: fwd + bwd 20.75 -> 19.02 ms, H100; 2 / 1 stages or dh at BV 16 were slower); off for the wide ones
-  (predicted a loss: the operand pass costs more than the wide kernels' exps, bench/NOTES.md kda).
+  (16 x 2048 H32: 17.89 -> 18.76 ms, H100: the operand pass costs more than the wide kernels' exps save).
 - gate_sum: the fixed-order column sum of the per-chunk dA_log / ddt_bias partials (BP slots per step, BN columns
   per program).
 """
