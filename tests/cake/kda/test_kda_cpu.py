@@ -294,7 +294,7 @@ def test_routes_are_the_launchers_launches():
     kernels with and without initial / final state, in both layouts, wide and narrow (the narrow ones on the shipped
     DECAYED route, with its operand kernel with and without q); context parallelism's
     final-state-only passes (forward over V + K columns, backward storing only dh0; a document's first and last
-    pieces take the plain routes), wide and narrow, and its chain step, both directions), each recorded
+    pieces take the op's own routes), wide and narrow, and its chain step, both directions), each recorded
     from a real launch site, so none can drift from what a call launches."""
     rs = ops.routes(128, 128)
     labels = [r.label for r in rs]
