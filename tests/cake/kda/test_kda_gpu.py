@@ -12,6 +12,7 @@ import torch
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
 from tests.cake import _delta_rule as delta_rule
+from tests.cake.kda import test_kda_cpu as kda_cpu
 
 pytestmark = pytest.mark.gpu
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.kda.demo")
@@ -135,42 +136,27 @@ def test_checkpointing_and_cuda_graph_give_the_eager_bits(case):
     """Activation checkpointing (the forward recomputed in the backward) and a CUDA graph of forward + backward
     (captured once after a warm-up on the capture stream, replayed) give the eager call's o, final state and every
     gradient bit for bit."""
-    inp, l2, _, _, _ = case
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
-
-    def f(q, k, v, g, beta, A_log, dt_bias, h0):
-        return kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2,
-                             use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, safe_gate=True,
-                             lower_bound=demo_mod.SAFE_LB, transpose_state_layout=True, cu_seqlens=inp["cu"])
-
-    def run(leaves, wrap=None):
-        o, ht = wrap(f, *leaves) if wrap else f(*leaves)
-        return [o, ht, *torch.autograd.grad((o, ht), leaves, (inp["do"], inp["dht"]))]
-
-    def fresh():
-        return [inp[n].detach().clone().requires_grad_(True) for n in names]
-
-    eager = [t.detach().clone() for t in run(fresh())]
-    ckpt = run(fresh(), lambda fn, *a: torch.utils.checkpoint.checkpoint(fn, *a, use_reentrant=False))
-    for i, (a, b) in enumerate(zip(eager, ckpt)):
-        assert torch.equal(a, b.detach()), f"checkpoint: output {i}"
-    leaves = fresh()
+    inp, l2, ours, _, _ = case
+    ckpt = demo_mod.run_impl(inp, l2=l2, impl=kda_cpu.checkpointed)
+    assert set(ckpt) == set(ours) and len(ours) == 10
+    for n in ours:
+        assert torch.equal(ours[n], ckpt[n]), f"checkpoint: {n}"
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            run(leaves)
+            demo_mod.run_impl(inp, l2=l2)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = run(leaves)
-    for t in captured:
-        t.detach().fill_(float("nan"))  # poisoned: the replay must write every element
+        captured = demo_mod.run_impl(inp, l2=l2)
+    for t in captured.values():
+        t.fill_(float("nan"))  # poisoned: the replay must write every element
     graph.replay()
     torch.cuda.synchronize()
-    assert len(captured) == len(eager) == 10
-    for i, (a, b) in enumerate(zip(eager, captured)):
-        assert torch.equal(a, b.detach()), f"graph replay: output {i}"
+    assert set(captured) == set(ours)
+    for n in ours:
+        assert torch.equal(ours[n], captured[n]), f"graph replay: {n}"
 
 
 def test_no_host_sync(case):
