@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import torch
+import torch.utils.checkpoint
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
@@ -90,6 +91,37 @@ def assert_det_bits_again_fast_side_stream_pool(run, ours: dict, fast: dict) -> 
         for other in (again, fast_out, side, side_again):
             assert torch.equal(ours[name], other[name]), name
 
+
+
+def assert_checkpoint_graph_compile_same_bits(run, fn, ours: dict) -> None:
+    """`run(impl)` (the op's demo run_impl on fixed inputs: a dict of the outputs and gradients, `impl` taking the
+    op's arguments) under activation checkpointing (the forward recomputed in the backward), as a CUDA graph of
+    forward + backward (captured after a warm-up on the capture stream; its outputs poisoned, then replayed) and
+    through torch.compile(fullgraph=True) with the default backend: every tensor has the bits of `ours`, the eager
+    call's. `fn`: the op's public function."""
+    def checkpointed(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    for tag, got in (("checkpoint", run(checkpointed)), ("torch.compile", run(torch.compile(fn, fullgraph=True)))):
+        assert set(got) == set(ours), tag
+        for n in ours:
+            assert torch.equal(ours[n], got[n]), f"{tag}: {n}"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run(None)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(None)
+    for t in captured.values():
+        t.fill_(float("nan"))  # poisoned: the replay must write every element
+    graph.replay()
+    torch.cuda.synchronize()
+    assert set(captured) == set(ours)
+    for n in ours:
+        assert torch.equal(ours[n], captured[n]), f"graph replay: {n}"
 
 def assert_fresh_process_same_bits(op: str, ours: dict, tmp_path, make_inputs_args: str, l2: bool) -> None:
     """A fresh interpreter at the repository root runs `op`'s demo `run_impl(make_inputs(<make_inputs_args>),

@@ -1,5 +1,6 @@
 """gdn on the GPU at Qwen3-Next's head shape (H 16 / HV 32, K = V = 128), against the FP64 per-token recurrence and
-fla 0.6.0's chunk_gated_delta_rule on the same inputs; det bits; no host sync."""
+fla 0.6.0's chunk_gated_delta_rule on the same inputs; det bits (also under activation checkpointing, CUDA-graph
+replay and torch.compile); no host sync."""
 import importlib
 import json
 import os
@@ -83,6 +84,14 @@ def test_fresh_process_same_bits(case, tmp_path):
     delta_rule.assert_fresh_process_same_bits("gdn", ours, tmp_path,
                                               f"{LENS!r}, {H}, {HV}, {K}, {V}, 'cuda', seed=0, l2=True", True)
 
+
+
+def test_checkpointing_cuda_graph_and_compile_give_the_eager_bits(case):
+    """Activation checkpointing, a CUDA graph of forward + backward (replayed) and torch.compile(fullgraph=True)
+    give the eager call's o, final state and every gradient bit for bit."""
+    inp, ours, _, _ = case
+    delta_rule.assert_checkpoint_graph_compile_same_bits(lambda impl: demo_mod.run_impl(inp, l2=True, impl=impl),
+                                                         gdn.chunk_gated_delta_rule, ours)
 
 def test_no_host_sync(case):
     inp, _, _, _ = case

@@ -12,7 +12,6 @@ import torch
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
 from tests.cake import _delta_rule as delta_rule
-from tests.cake.kda import test_kda_cpu as kda_cpu
 
 pytestmark = pytest.mark.gpu
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.kda.demo")
@@ -132,44 +131,14 @@ def test_fresh_process_same_bits(case, tmp_path):
     delta_rule.assert_fresh_process_same_bits("kda", ours, tmp_path, args, l2)
 
 
-def test_checkpointing_and_cuda_graph_give_the_eager_bits(case):
-    """Activation checkpointing (the forward recomputed in the backward) and a CUDA graph of forward + backward
-    (captured once after a warm-up on the capture stream, replayed) give the eager call's o, final state and every
-    gradient bit for bit."""
+def test_checkpointing_cuda_graph_and_compile_give_the_eager_bits(case):
+    """Activation checkpointing, a CUDA graph of forward + backward (replayed) and torch.compile(fullgraph=True)
+    give the eager call's o, final state and every gradient bit for bit."""
     inp, l2, ours, _, _ = case
-    ckpt = demo_mod.run_impl(inp, l2=l2, impl=kda_cpu.checkpointed)
-    assert set(ckpt) == set(ours) and len(ours) == 10
-    for n in ours:
-        assert torch.equal(ours[n], ckpt[n]), f"checkpoint: {n}"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            demo_mod.run_impl(inp, l2=l2)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = demo_mod.run_impl(inp, l2=l2)
-    for t in captured.values():
-        t.fill_(float("nan"))  # poisoned: the replay must write every element
-    graph.replay()
-    torch.cuda.synchronize()
-    assert set(captured) == set(ours)
-    for n in ours:
-        assert torch.equal(ours[n], captured[n]), f"graph replay: {n}"
+    assert len(ours) == 10
+    delta_rule.assert_checkpoint_graph_compile_same_bits(lambda impl: demo_mod.run_impl(inp, l2=l2, impl=impl),
+                                                         kda.chunk_kda, ours)
 
-
-
-def test_torch_compile_fullgraph_gives_the_eager_bits(case):
-    """torch.compile(fullgraph=True) with the default (inductor) backend around chunk_kda: o, the final state and
-    every gradient equal the eager call's bit for bit (the op is one custom op in the graph; nothing is recompiled
-    around its kernels)."""
-    inp, l2, ours, _, _ = case
-    compiled = torch.compile(kda.chunk_kda, fullgraph=True)
-    got = demo_mod.run_impl(inp, l2=l2, impl=compiled)
-    assert set(got) == set(ours) and len(ours) == 10
-    for n in ours:
-        assert torch.equal(ours[n], got[n]), f"torch.compile: {n}"
 
 def test_no_host_sync(case):
     inp, l2, _, _, _ = case
