@@ -277,11 +277,14 @@ def test_initial_state_det_bitwise_repeats_stream_pool():
         assert torch.equal(p, q)
 
 
-@pytest.mark.xfail(strict=True, reason="with cu_seqlens, dx of W - 1 consecutive rows (H200: before a document "
-                   "boundary; H100: mid-document) and some dw entries differ from the no-state call by one rounding: "
-                   "the two specialisations round an fp32 step differently (bench/NOTES.md, conv1d)")
-def test_zero_initial_state_gives_the_bits_of_none():
-    x, w, dy, cu, _, h = _halo_case(4, seed=42)
+@pytest.mark.parametrize("seed", [42, 7])
+@pytest.mark.parametrize("option", ["bf16", "fp32"])
+def test_zero_initial_state_gives_the_bits_of_none(option, seed):
+    """An all-zero initial state gives the bits of none (y, dx, dw), with and without cu_seqlens, with the SiLU'
+    at the bf16-rounded pre-activation (the default option, where a 1-ulp difference in the fp32 pre-activation
+    moves a bf16 step: seeds 42 and 7 each put one such value in this case) and at the fp32 one."""
+    mek.configure(conv1d_silu_grad_preactivation=option)
+    x, w, dy, cu, _, h = _halo_case(4, seed=seed)
     for c in (cu, None):
         zeros = torch.zeros(1 if c is None else h.shape[0], *h.shape[1:], dtype=h.dtype, device="cuda")
         for name, p, q in zip(("y", "dx", "dw"), run_halo(x, w, dy, c, zeros)[:3], run(x, w, dy, c)):

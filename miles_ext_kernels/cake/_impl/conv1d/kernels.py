@@ -137,6 +137,20 @@ def _halo_window(h_ptr, j, xm2, xm3, d, dm, D, n_seq, W: tl.constexpr):
 
 
 @_helper
+def _preact(xu, xm1, xm2, xm3, c0, c1, c2, c3, W: tl.constexpr):
+    """The pre-activation c0 x[u] + c1 x[u-1] (+ c2 x[u-2] + c3 x[u-3]) as a fixed chain of fmas. Written as a sum
+    of products, the compiler chose per specialization which product each fma absorbed (with and without an initial
+    state it chose differently), so the two rounded 1 ulp apart where a value lay at a bf16 rounding midpoint, and
+    the backward's SiLU' at the bf16-rounded pre-activation moved a whole bf16 step (bench/NOTES.md, conv1d)."""
+    acc = tl.fma(c1, xm1, c0 * xu)
+    if W >= 3:
+        acc = tl.fma(c2, xm2, acc)
+    if W >= 4:
+        acc = tl.fma(c3, xm3, acc)
+    return acc
+
+
+@_helper
 def _fwd_step(u, xu, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq, y_ptr, sy, d, dm, T, h_ptr, D,
               W: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr, HALO: tl.constexpr):
     xu = xu.to(tl.float32)
@@ -148,11 +162,7 @@ def _fwd_step(u, xu, xm1, xm2, xm3, c0, c1, c2, c3, nb, j, cu_ptr, n_seq, y_ptr,
             nb, j = _next_start(cu_ptr, u, j, n_seq)
             if HALO:
                 xm1, xm2, xm3 = _halo_window(h_ptr, j, xm2, xm3, d, dm, D, n_seq, W)
-    acc = c0 * xu + c1 * xm1
-    if W >= 3:
-        acc += c2 * xm2
-    if W >= 4:
-        acc += c3 * xm3
+    acc = _preact(xu, xm1, xm2, xm3, c0, c1, c2, c3, W)
     if ACT:
         acc = acc * _sigmoid(acc, _FAST_SIGMOID)
     tl.store(y_ptr + u * sy + d, acc.to(y_ptr.dtype.element_ty), mask=_m(dm, u < T))
@@ -260,11 +270,7 @@ def _bwd_step(u, xu, dyu, xm1, xm2, xm3, pa1, pa2, pa3, dw0, dw1, dw2, dw3, c0, 
     if ACT == 0:
         g = dyu
     else:
-        pre = c0 * xu + c1 * xm1
-        if W >= 3:
-            pre += c2 * xm2
-        if W >= 4:
-            pre += c3 * xm3
+        pre = _preact(xu, xm1, xm2, xm3, c0, c1, c2, c3, W)
         if ACT == 1:  # SiLU' at the pre-activation rounded to bf16
             pre = pre.to(tl.bfloat16).to(tl.float32)
         s = _sigmoid(pre, _FAST_SIGMOID)
