@@ -92,7 +92,6 @@ def assert_det_bits_again_fast_side_stream_pool(run, ours: dict, fast: dict) -> 
             assert torch.equal(ours[name], other[name]), name
 
 
-
 def assert_checkpoint_graph_compile_same_bits(run, fn, ours: dict) -> None:
     """`run(impl)` (the op's demo run_impl on fixed inputs: a dict of the outputs and gradients, `impl` taking the
     op's arguments) under activation checkpointing (the forward recomputed in the backward), as a CUDA graph of
@@ -122,6 +121,7 @@ def assert_checkpoint_graph_compile_same_bits(run, fn, ours: dict) -> None:
     assert set(captured) == set(ours)
     for n in ours:
         assert torch.equal(ours[n], captured[n]), f"graph replay: {n}"
+
 
 def assert_fresh_process_same_bits(op: str, ours: dict, tmp_path, make_inputs_args: str, l2: bool) -> None:
     """A fresh interpreter at the repository root runs `op`'s demo `run_impl(make_inputs(<make_inputs_args>),

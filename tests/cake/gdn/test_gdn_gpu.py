@@ -85,13 +85,13 @@ def test_fresh_process_same_bits(case, tmp_path):
                                               f"{LENS!r}, {H}, {HV}, {K}, {V}, 'cuda', seed=0, l2=True", True)
 
 
-
 def test_checkpointing_cuda_graph_and_compile_give_the_eager_bits(case):
     """Activation checkpointing, a CUDA graph of forward + backward (replayed) and torch.compile(fullgraph=True)
     give the eager call's o, final state and every gradient bit for bit."""
     inp, ours, _, _ = case
     delta_rule.assert_checkpoint_graph_compile_same_bits(lambda impl: demo_mod.run_impl(inp, l2=True, impl=impl),
                                                          gdn.chunk_gated_delta_rule, ours)
+
 
 def test_no_host_sync(case):
     inp, _, _, _ = case
