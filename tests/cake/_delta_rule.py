@@ -123,6 +123,18 @@ def assert_checkpoint_graph_compile_same_bits(run, fn, ours: dict) -> None:
         assert torch.equal(ours[n], captured[n]), f"graph replay: {n}"
 
 
+
+def assert_state_tiles_same_bits(run, configs, monkeypatch) -> None:
+    """`run()` (a dict of tensors) with every sequential state kernel on its wide tiles and again on its narrow
+    ones (`configs`: the op's configs module; the choice between them follows the number of documents x heads, so a
+    document's bits are independent of what is packed beside it only if the two agree): every tensor equal."""
+    monkeypatch.setattr(configs, "NARROW_BELOW", 0)
+    wide = run()
+    monkeypatch.setattr(configs, "NARROW_BELOW", 1 << 30)
+    narrow = run()
+    for name in wide:
+        assert torch.equal(wide[name], narrow[name]), name
+
 def assert_fresh_process_same_bits(op: str, ours: dict, tmp_path, make_inputs_args: str, l2: bool) -> None:
     """A fresh interpreter at the repository root runs `op`'s demo `run_impl(make_inputs(<make_inputs_args>),
     l2=l2)`: every tensor has the bits of `ours`."""

@@ -79,6 +79,14 @@ def test_det_bits_repeat_variants_side_stream_pool(case):
     delta_rule.assert_det_bits_again_fast_side_stream_pool(lambda: demo_mod.run_impl(inp, l2=True), ours, fast)
 
 
+
+def test_state_tiles_wide_and_narrow_give_the_same_bits(case, monkeypatch):
+    """The state kernels' tiles are chosen by the number of documents x heads (narrow for few long documents), so a
+    document packed alone and packed among many may take different tiles: the bits must not depend on it."""
+    inp, _, _, _ = case
+    configs = importlib.import_module("miles_ext_kernels.cake._impl.gdn.configs")
+    delta_rule.assert_state_tiles_same_bits(lambda: demo_mod.run_impl(inp, l2=True), configs, monkeypatch)
+
 def test_fresh_process_same_bits(case, tmp_path):
     inp, ours, _, _ = case
     delta_rule.assert_fresh_process_same_bits("gdn", ours, tmp_path,

@@ -125,6 +125,14 @@ def test_document_bits_do_not_depend_on_packing(case, monkeypatch):
         assert torch.equal(alone[name], ours[name][n:n + 1]), name
 
 
+
+def test_state_tiles_wide_and_narrow_give_the_same_bits(case, monkeypatch):
+    """The state kernels' tiles are chosen by the number of documents x heads (narrow for few long documents), so a
+    document packed alone and packed among many may take different tiles: the bits must not depend on it."""
+    inp, l2, _, _, _ = case
+    configs = importlib.import_module("miles_ext_kernels.cake._impl.kda.configs")
+    delta_rule.assert_state_tiles_same_bits(lambda: demo_mod.run_impl(inp, l2=l2), configs, monkeypatch)
+
 def test_fresh_process_same_bits(case, tmp_path):
     inp, l2, ours, _, _ = case
     args = f"{LENS!r}, {H}, {HV}, {K}, {V}, 'cuda', seed=0, l2={l2}, gate={CASE['gate']!r}, trans={CASE['trans']}"
