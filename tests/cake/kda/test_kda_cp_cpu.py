@@ -81,7 +81,7 @@ def test_cp_decayed_route_gives_the_plain_routes_bits(layout, W, lens, gate, mon
     inp = demo_mod.make_inputs(lens, 1, 2, 32, 64, "cpu", h0=False, gate=gate, seed=5)
     launched, passes = [], []
     real_operands, real_launch = ops._decayed_operands, ops.launch
-    monkeypatch.setattr(ops, "_decayed_operands", lambda *a, **kw: launched.append((a[-1], kw.get("keep")))
+    monkeypatch.setattr(ops, "_decayed_operands", lambda *a, **kw: launched.append((a[-1], kw.get("own")))
                         or real_operands(*a, **kw))
     monkeypatch.setattr(ops, "launch", lambda kernel, grid, **kw: passes.append((kernel.fn.__name__, kw.get(
         "DECAYED"))) or real_launch(kernel, grid, **kw))

@@ -14,8 +14,12 @@ from . import common
 INTERPRET = build.INTERPRET
 
 
-def scratch(op: str, role: str, shape, dtype, device) -> torch.Tensor:
-    """A `shape` tensor of scratch from the workspace pool (role `(op, role)`); its content is undefined."""
+def scratch(op: str, role: str, shape, dtype, device, own: bool = False) -> torch.Tensor:
+    """A `shape` tensor of scratch from the workspace pool (role `(op, role)`), or with `own` an allocation of its
+    own (under context parallelism, where other ranks' stages may run between its writes and its last read); its
+    content is undefined."""
+    if own:
+        return torch.empty(shape, dtype=dtype, device=device)
     return workspace.take_tensor((op, role), shape, dtype, device=device)
 
 

@@ -92,8 +92,8 @@ def _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, want_ht, device, dt
 
 def _wu(tab, kk, v, beta, gc, A, se, table, H, HV, K, V, P, device, dt, ws: bool, ws_u: bool = True):
     T = kk.shape[0] * kk.shape[1]
-    w = _ws("w", (T, HV, K), dt, device) if ws else torch.empty(T, HV, K, dtype=dt, device=device)
-    u = _ws("u", (T, HV, V), dt, device) if ws_u else torch.empty(T, HV, V, dtype=dt, device=device)
+    w = _ws("w", (T, HV, K), dt, device, own=not ws)
+    u = _ws("u", (T, HV, V), dt, device, own=not ws_u)
     launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=beta, gc=gc, A=A, se=se, table=table, w=w, u=u, H=H, HV=HV,
            K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
     return w, u
@@ -191,14 +191,14 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
         h, vn, _ = _fwd_state(tab, kk, w, _u, gc, se, h0, N, HV, H, K, V, P, False, device, dt,
                               ws_prefix="b_" if cp is None else None)
     grid = (P, HV)
-    dvl = _ws("dvl", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
+    dvl = _ws("dvl", (Tt, HV, V), dt, device, own=cp is not None)
     launch(kn.bwd_dvl_kernel, grid, q=qn, k=kk, do=do, gc=gc, se=se, table=table, dvl=dvl, scale=float(scale), H=H,
            HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
 
     # under CP, a document's last piece runs its reverse pass before the exchange (other ranks' stages may run in
     # between): no scratch for what it stores
-    dhe = _ws("dhe", (P, HV, K, V), dt, device) if cp is None else torch.empty(P, HV, K, V, dtype=dt, device=device)
-    dd = _ws("dd", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
+    dhe = _ws("dhe", (P, HV, K, V), dt, device, own=cp is not None)
+    dd = _ws("dd", (Tt, HV, V), dt, device, own=cp is not None)
 
     def run_dh(se_x, dht_x, want_dh0, store=True):
         n = se_x.shape[0]

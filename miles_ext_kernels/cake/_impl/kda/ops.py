@@ -98,18 +98,14 @@ def _decayed(tab: dict, cname: str) -> bool:
     return bool(tab[cname].get("DECAYED", False))
 
 
-def _decayed_operands(tab, qn, kk, gc, se, table, scale, with_q, keep=False):
+def _decayed_operands(tab, qn, kk, gc, se, table, scale, with_q, own=False):
     """kd = k * exp(G_last - G) and, with_q, qg = q * exp(G) * scale ([T, HV, K] in the run's dtype) for the state
-    kernels' DECAYED route: kd alone, or (kd, qg). Scratch, or (keep: under CP, whose other ranks' stages may run
+    kernels' DECAYED route: kd alone, or (kd, qg). Scratch, or (own: under CP, whose other ranks' stages may run
     between this launch and the last state pass that reads them) buffers of their own."""
     Tt, HV, K = gc.shape
     H = kk.shape[-2]
-
-    def buf(name):
-        return torch.empty(Tt, HV, K, dtype=kk.dtype, device=gc.device) if keep else \
-            _ws(name, (Tt, HV, K), kk.dtype, gc.device)
-    kd = buf("kd")
-    qg = buf("qg") if with_q else gc
+    kd = _ws("kd", (Tt, HV, K), kk.dtype, gc.device, own=own)
+    qg = _ws("qg", (Tt, HV, K), kk.dtype, gc.device, own=own) if with_q else gc
     launch(kn.decayed_kernel, (table.shape[0], HV), q=qn if with_q else kk, k=kk, gc=gc, se=se, table=table, kd=kd,
            qg=qg, scale=float(scale), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["decayed"]["BK"]), WITH_Q=with_q,
            INTERPRET=INTERPRET, **_cfg(tab, "decayed"))
@@ -167,7 +163,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
            INTERPRET=INTERPRET, **_cfg(tab, "inv"))
     w = torch.empty(Tt, HV, K, dtype=dt, device=device)
     # under CP, u outlives the exchange (other ranks' stages may run in between): no scratch
-    u = _ws("u", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
+    u = _ws("u", (Tt, HV, V), dt, device, own=cp is not None)
     launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=bf, gc=gc, A=A, se=se, table=table, w=w, u=u, H=H, HV=HV, K=K,
            V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
 
@@ -185,7 +181,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
         cname, BV = _state_cfg(tab, "h", VX, n * HV)
         decayed = _decayed(tab, cname)
         if decayed and not operands:
-            operands.append(_decayed_operands(tab, qn, kk, gc, se, table, scale, False, keep=cp is not None))
+            operands.append(_decayed_operands(tab, qn, kk, gc, se, table, scale, False, own=cp is not None))
         kd = operands[0] if decayed else gc
         launch(kn.fwd_h_kernel, (n * HV, VX // BV), k=kk, kd=kd, w=w, u=u_x, gc=gc, se=se_x,
                h0=h0_x if h0_x is not None else gc, h=h, vn=vn, ht=ht if want_ht else gc, H=H, HV=HV, K=K, V=VX,
@@ -252,15 +248,15 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     if not output_final_state:
         dht = None
     grid = (P, HV)
-    dvl = _ws("dvl", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
+    dvl = _ws("dvl", (Tt, HV, V), dt, device, own=cp is not None)
     dAqk = _ws("dAqk", (Tt, HV, BT), torch.float32, device)
     launch(kn.bwd_dvl_kernel, grid, Aqk=Aqk, do=do, vn=vn, se=se, table=table, dvl=dvl, dAqk=dAqk,
            scale=float(scale), H=H, HV=HV, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
 
     # under CP, a document's last piece runs its reverse pass before the exchange (other ranks' stages may run in
     # between): no scratch for what it stores
-    dhe = _ws("dhe", (P, HV, K, V), dt, device) if cp is None else torch.empty(P, HV, K, V, dtype=dt, device=device)
-    dd = _ws("dd", (Tt, HV, V), dt, device) if cp is None else torch.empty(Tt, HV, V, dtype=dt, device=device)
+    dhe = _ws("dhe", (P, HV, K, V), dt, device, own=cp is not None)
+    dd = _ws("dd", (Tt, HV, V), dt, device, own=cp is not None)
 
     operands = []  # (kd, qg), formed once per call for every reverse pass that takes the DECAYED route
 
@@ -270,7 +266,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
         cname, BV = _state_cfg(tab, "dh", V, n * HV)
         decayed = _decayed(tab, cname)
         if decayed and not operands:
-            operands.append(_decayed_operands(tab, qn, kk, gc, se, table, scale, True, keep=cp is not None))
+            operands.append(_decayed_operands(tab, qn, kk, gc, se, table, scale, True, own=cp is not None))
         kd, qg = operands[0] if decayed else (gc, gc)
         launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, kd=kd, qg=qg, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
                dht=dht_x if dht_x is not None else gc, dh0=dh0 if dh0 is not None else gc, dhe=dhe, dd=dd,
