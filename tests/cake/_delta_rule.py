@@ -92,16 +92,20 @@ def assert_det_bits_again_fast_side_stream_pool(run, ours: dict, fast: dict) -> 
             assert torch.equal(ours[name], other[name]), name
 
 
+def checkpointed(fn):
+    """`fn` under torch.utils.checkpoint (its forward run again in the backward), as a demo run_impl's `impl`."""
+    def run(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return run
+
+
 def assert_checkpoint_graph_compile_same_bits(run, fn, ours: dict) -> None:
     """`run(impl)` (the op's demo run_impl on fixed inputs: a dict of the outputs and gradients, `impl` taking the
     op's arguments) under activation checkpointing (the forward recomputed in the backward), as a CUDA graph of
     forward + backward (captured after a warm-up on the capture stream; its outputs poisoned, then replayed) and
     through torch.compile(fullgraph=True) with the default backend: every tensor has the bits of `ours`, the eager
     call's. `fn`: the op's public function."""
-    def checkpointed(*args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
-
-    for tag, got in (("checkpoint", run(checkpointed)), ("torch.compile", run(torch.compile(fn, fullgraph=True)))):
+    for tag, got in (("checkpoint", run(checkpointed(fn))), ("torch.compile", run(torch.compile(fn, fullgraph=True)))):
         assert set(got) == set(ours), tag
         for n in ours:
             assert torch.equal(ours[n], got[n]), f"{tag}: {n}"

@@ -6,7 +6,7 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
-from tests.cake._delta_rule import assert_nonfinite_as_in_demo_reference
+from tests.cake._delta_rule import assert_nonfinite_as_in_demo_reference, checkpointed
 from tests.cake._helpers import record_cu_seqlens_checks
 
 pytestmark = pytest.mark.interpreter
@@ -255,16 +255,11 @@ def test_torch_compile_fullgraph_traces():
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
 
-def checkpointed(*args, **kwargs):
-    """chunk_kda under torch.utils.checkpoint (its forward run again in the backward), as demo.run_impl's `impl`."""
-    return torch.utils.checkpoint.checkpoint(ops.chunk_kda, *args, use_reentrant=False, **kwargs)
-
-
 def test_activation_checkpointing_gives_the_same_bits():
     """Under torch.utils.checkpoint o, the final state and every gradient equal the plain call's bit for bit."""
     inp = demo_mod.make_inputs([20, 0, 65], 1, 2, 16, 16, "cpu", gate="safe", trans=True, seed=4)
     plain = demo_mod.run_impl(inp)
-    ckpt = demo_mod.run_impl(inp, impl=checkpointed)
+    ckpt = demo_mod.run_impl(inp, impl=checkpointed(ops.chunk_kda))
     assert set(plain) == set(ckpt) and len(plain) == 10
     for n in plain:
         assert torch.equal(plain[n], ckpt[n]), n
