@@ -778,8 +778,10 @@ def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, 
     a_k = tl.load(kb + o_t[:, None] * (H * K) + o_k[None, :], mask=side, other=0.).to(tl.float32)
     a_q = tl.load(qb + o_t[:, None] * (H * K) + o_k[None, :], mask=late[:, None], other=0.).to(tl.float32)
     a_g = tl.load(gcb + o_t[:, None] * (HV * K) + o_k[None, :], mask=side, other=0.)
-    kg = tl.where(early[:, None], a_k * tl.exp(gn[None, :] - a_g), 0.)
-    el = tl.where(late[:, None], tl.exp(a_g - gl[None, :]), 0.)
+    # the earlier and the later rows are disjoint: one exp per entry serves both factors
+    ea = tl.exp(tl.where(early[:, None], gn[None, :] - a_g, a_g - gl[None, :]))
+    kg = tl.where(early[:, None], a_k * ea, 0.)
+    el = tl.where(late[:, None], ea, 0.)
     rq = _tdot(s_rq, kg, DT, INTERPRET)
     rl = _tdot(s_rl, kg, DT, INTERPRET)
     cq = _tdot(s_cq, a_q * el, DT, INTERPRET)
