@@ -694,13 +694,13 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
         cols C_j = sum_i M_ij x_i Gam_ij, x = q (dAqk), beta k (dL) (dk_j)
     Writes dq, dk (per value head: bwd_dense_kernel's partials plus these), this slice's part of dbeta (dbp[slice],
     [K // BK + 1, T, HV]; TT: the rows of T) and dG = q R^qk + k (beta R^L) - k (C^qk + C^L) (dGi, fp32;
-    bwd_dg_kernel scans it). The earlier sub-blocks go in one [16, BT] x [BT, BK] product per M with this
-    sub-block's first row as the reference (the later rows' operand masked to 0), the later ones likewise with its
-    last row; the diagonal sub-block in one 3xTF32 product per side and M with its row 8 as the reference where the
-    decay about it is bounded (`_diag_refs`), otherwise elementwise, one row at a time. The diagonal of dAqk
-    (Gam = 1) goes to dq, dk elementwise and never into dG (its q * dq and k * dk terms cancel exactly). What does
-    not depend on the key slice is loaded first (`_intra_slice` does the slice's work): measured faster than the
-    loads in the order the products use them (bench/NOTES.md, kda v5.1)."""
+    bwd_dg_kernel scans it). The earlier sub-blocks go in one [16, 16] x [16, BK] product per sub-block and M with
+    this sub-block's first row as the reference, the later ones likewise with its last row (`_intra_blocks`; only
+    the document's sub-blocks); the diagonal sub-block in one 3xTF32 product per side and M with its row 8 as the
+    reference where the decay about it is bounded (`_diag_refs`), otherwise elementwise, one row at a time. The
+    diagonal of dAqk (Gam = 1) goes to dq, dk elementwise and never into dG (its q * dq and k * dk terms cancel
+    exactly). What does not depend on the key slice (the diagonal blocks of M) is loaded first (`_intra_slice` does
+    the slice's work)."""
     NK: tl.constexpr = K // BK
     pid = tl.program_id(0)
     hv = tl.program_id(1)
@@ -718,7 +718,6 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
         return
     hk = hv // (HV // H)
     o = tl.arange(0, 16)
-    o_t = tl.arange(0, BT)
     # one 64-bit base per tensor and 32-bit in-chunk offsets (a tile of 64-bit pointers costs twice the registers)
     qb = q + t0 * (H * K) + hk * K
     kb = k + t0 * (H * K) + hk * K
@@ -728,38 +727,56 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     mlb = dL + t0 * (HV * BT) + hv * BT
     r = r0 + o
     m = r < nr
-    early = o_t < r0
-    late = (o_t >= r0 + 16) & (o_t < nr)
     b_b = tl.load(bb + r * HV, mask=m, other=0.).to(tl.float32)
-    a_b = tl.load(bb + o_t * HV, mask=late, other=0.).to(tl.float32)  # the later rows' beta (for C)
-    # what does not depend on the key slice: this sub-block's rows of M over the earlier columns, its columns over
-    # the later rows (loaded transposed), and its diagonal block (the diagonal of dAqk goes elementwise)
-    r_off = r[:, None] * (HV * BT) + o_t[None, :]
-    c_off = o_t[None, :] * (HV * BT) + r[:, None]
-    mr = m[:, None] & early[None, :]
-    mc = late[None, :]
-    s_rq = tl.load(mqb + r_off, mask=mr, other=0.)
-    s_rl = tl.load(mlb + r_off, mask=mr, other=0.)
-    s_cq = tl.load(mqb + c_off, mask=mc, other=0.)
-    s_cl = tl.load(mlb + c_off, mask=mc, other=0.)
+    # what does not depend on the key slice: the diagonal blocks of M (the diagonal of dAqk goes elementwise)
     mq = _mblk(mqb, nr, r0, r0, BT, HV * BT, False)
     ml = _mblk(mlb, nr, r0, r0, BT, HV * BT, False)
     mqt = _mblk(mqb, nr, r0, r0, BT, HV * BT, True)
     mlt = _mblk(mlb, nr, r0, r0, BT, HV * BT, True)
-    # a one-trip loop: it keeps the slice's loads and products after the strips' loads (straight-line code gets
-    # them interleaved and spills 292 B a thread, ptxas, triton 3.6, sm_90a; the loop: none)
+    # a one-trip loop: it keeps the slice's loads and products after these loads (straight-line code got them
+    # interleaved and spilled, bench/NOTES.md kda v5.1)
     for ks1 in range(ks, ks + 1):
-        _intra_slice(ks1, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, early, late,
-                     b_b, a_b, s_rq, s_rl, s_cq, s_cl, mq, ml, mqt, mlt, TT, H, HV, K, BT, BK, k.dtype.element_ty,
-                     INTERPRET)
+        _intra_slice(ks1, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, b_b, mq, ml,
+                     mqt, mlt, TT, H, HV, K, BT, BK, k.dtype.element_ty, INTERPRET)
 
 
 @triton.jit
-def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, early, late, b_b,
-                 a_b, s_rq, s_rl, s_cq, s_cl, mq, ml, mqt, mlt, TT, H, HV, K: tl.constexpr, BT: tl.constexpr,
-                 BK: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
-    """bwd_intra_kernel's work on key slice ks (s_*: the sub-block's strips of M, mq .. mlt its diagonal blocks; DT:
-    the run's dtype)."""
+def _intra_blocks(qb, kb, gcb, bb, mqb, mlb, r0, nr, gn, gl, o_k, H, HV, K: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The off-diagonal part of bwd_intra_kernel's products for sub-block r0 in one key slice, one [16, 16] x
+    [16, BK] product per other sub-block of the document and M: rows R^qk, R^L over each earlier sub-block c
+    (M's block (r0, c) times k_c exp(G_r - G_c), r = this sub-block's first row, gn its G) and columns C^qk, C^L
+    over each later one (M's block (c, r0) transposed times q_c, beta_c k_c times exp(G_c - G_l), l = this
+    sub-block's last row, gl its G): every factor <= 1. The rows' factor exp(G_i - G_r) and the columns'
+    exp(G_l - G_j) are the caller's. A later sub-block's rows past the document's end read 0."""
+    o = tl.arange(0, 16)
+    rq = tl.zeros([16, BK], dtype=tl.float32)
+    rl = tl.zeros([16, BK], dtype=tl.float32)
+    cq = tl.zeros([16, BK], dtype=tl.float32)
+    cl = tl.zeros([16, BK], dtype=tl.float32)
+    for c0 in range(0, r0, 16):
+        kc = _rows(kb, nr, c0, H * K, o_k, 16, False)
+        kg = kc * tl.exp(gn[None, :] - _rows(gcb, nr, c0, HV * K, o_k, 16, True))
+        rq += _tdot(_mblk(mqb, nr, r0, c0, BT, HV * BT, False), kg, DT, INTERPRET)
+        rl += _tdot(_mblk(mlb, nr, r0, c0, BT, HV * BT, False), kg, DT, INTERPRET)
+    for c0 in range(r0 + 16, nr, 16):
+        rc = c0 + o
+        mc = rc < nr
+        qc = _rows(qb, nr, c0, H * K, o_k, 16, False)
+        kc = _rows(kb, nr, c0, H * K, o_k, 16, False)
+        bc = tl.load(bb + rc * HV, mask=mc, other=0.).to(tl.float32)
+        el = tl.where(mc[:, None], tl.exp(_rows(gcb, nr, c0, HV * K, o_k, 16, True) - gl[None, :]), 0.)
+        cq += _tdot(_mblk(mqb, nr, c0, r0, BT, HV * BT, True), qc * el, DT, INTERPRET)
+        cl += _tdot(_mblk(mlb, nr, c0, r0, BT, HV * BT, True), (bc[:, None] * kc) * el, DT, INTERPRET)
+    return rq, rl, cq, cl
+
+
+@triton.jit
+def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, b_b, mq, ml, mqt,
+                 mlt, TT, H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """bwd_intra_kernel's work on key slice ks (mq .. mlt: the sub-block's diagonal blocks of M; DT: the run's
+    dtype)."""
     o = tl.arange(0, 16)
     o_k = ks * BK + tl.arange(0, BK)
     k_off = t0 * (HV * K) + hv * K + r[:, None] * (HV * K) + o_k[None, :]
@@ -771,21 +788,7 @@ def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, 
     b_g = _rows(gcb, nr, r0, HV * K, o_k, 16, True)
     gn = tl.load(gcb + r0 * (HV * K) + o_k)  # the earlier sub-blocks' reference: this one's first row
     gl = tl.load(gcb + tl.minimum(r0 + 15, nr - 1) * (HV * K) + o_k)  # the later ones': its last row
-    # the chunk's other rows, only those a side reads (k and G: earlier and later; q: later); the rest read 0 and are
-    # selected away below, never multiplied in: exp of the other rows' differences may overflow
-    o_t = tl.arange(0, BT)
-    side = (early | late)[:, None]
-    a_k = tl.load(kb + o_t[:, None] * (H * K) + o_k[None, :], mask=side, other=0.).to(tl.float32)
-    a_q = tl.load(qb + o_t[:, None] * (H * K) + o_k[None, :], mask=late[:, None], other=0.).to(tl.float32)
-    a_g = tl.load(gcb + o_t[:, None] * (HV * K) + o_k[None, :], mask=side, other=0.)
-    # the earlier and the later rows are disjoint: one exp per entry serves both factors
-    ea = tl.exp(tl.where(early[:, None], gn[None, :] - a_g, a_g - gl[None, :]))
-    kg = tl.where(early[:, None], a_k * ea, 0.)
-    el = tl.where(late[:, None], ea, 0.)
-    rq = _tdot(s_rq, kg, DT, INTERPRET)
-    rl = _tdot(s_rl, kg, DT, INTERPRET)
-    cq = _tdot(s_cq, a_q * el, DT, INTERPRET)
-    cl = _tdot(s_cl, (a_b[:, None] * a_k) * el, DT, INTERPRET)
+    rq, rl, cq, cl = _intra_blocks(qb, kb, gcb, bb, mqb, mlb, r0, nr, gn, gl, o_k, H, HV, K, BT, BK, DT, INTERPRET)
     eq = tl.exp(b_g - gn[None, :])
     ek = tl.exp(gl[None, :] - b_g)
     rq *= eq
