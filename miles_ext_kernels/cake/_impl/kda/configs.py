@@ -15,8 +15,9 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
 - dense: the backward's plain matmuls per chunk, BK-wide key slices (32: 3.6 ms, 64: 3.8 with 280 B spilled); its
   slice loop pipelined 4 deep (num_stages 4: 3.29 ms against 3.59 at 2, 3.33 at 3, H200, same bits).
 - intra: the backward's decay-weighted in-chunk products, one program per chunk, key slice and sub-block (one
-  product per side and the tensor-core diagonal: BK = 32 at 2 warps 5.9 ms; 4 warps capped at 168 registers 7.1,
-  2 warps capped at 168 6.7; bench/NOTES.md kda v5 has the wider sweep).
+  [16, 16] product per other sub-block of the document, side and M, and the tensor-core diagonal): BK 32 at 2
+  warps 4.40 ms; 2 warps BK 64 5.12, BK 16 7.21; 1 warp BK 32 5.67; 4 warps BK 32 5.26, BK 16 13.1; 8 warps BK 64
+  7.60 (H100, 16 x 2048 H32, safe gate; BK changes dbeta's bits by ~3e-8, nothing else).
 - dg: the reverse scan of dG and the gate's backward per chunk, BK-wide key slices (4 warps: 1.42 ms against 1.55
   at 8, H200; BK 32: 1.37 ms against 1.56 at BK 64, 1.89 at 128 / 8 warps, H100; BK changes dg's bits by ~2e-7).
 - o BV: the output kernel in BV-wide value slices (grid axis 2; 128: one slice at the served V <= 128; BV 64: 1.04
