@@ -220,10 +220,11 @@ def _store_strip(out, t0, eos, r0: tl.constexpr, hv, HV, b0, b1, b2, b3, first, 
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_gate_kernel(g, A_log, dt_bias, se, table, gc, lower_bound, H, HV, K: tl.constexpr, BT: tl.constexpr,
+def fwd_gate_kernel(g, A_log, dt_bias, se, table, gc, lower_bound, SG, H, HV, K: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr):
     """Per chunk and 1 / SPLIT of the key dimensions (grid axis 2): the gate (GATE) and gc = the in-chunk cumsum of
-    the log decay, in BK-wide key slices."""
+    the log decay, in BK-wide key slices. g's rows are SG elements apart (a view of a wider projection is read in
+    place), its heads packed within a row."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     NS: tl.constexpr = K // BK // SPLIT  # key slices per program
@@ -237,13 +238,13 @@ def fwd_gate_kernel(g, A_log, dt_bias, se, table, gc, lower_bound, H, HV, K: tl.
     m = rows < eos
     for ks in range(ks0, ks0 + NS):
         o_k = ks * BK + tl.arange(0, BK)
-        g_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-        b_g = tl.load(g + g_off, mask=m[:, None], other=0.).to(tl.float32)
+        col = hv * K + o_k[None, :]
+        b_g = tl.load(g + rows[:, None] * SG + col, mask=m[:, None], other=0.).to(tl.float32)
         if GATE != 0:
             a_log, bias = _gate_params(A_log, dt_bias, hv, o_k, K, GATE)
             b_g = _gate(b_g + bias[None, :], a_log, lower_bound, GATE)
         b_g = tl.where(m[:, None], tl.where(b_g < G_FLOOR, G_FLOOR, b_g), 0.)
-        tl.store(gc + g_off, tl.cumsum(b_g, axis=0), mask=m[:, None])
+        tl.store(gc + rows[:, None] * (HV * K) + col, tl.cumsum(b_g, axis=0), mask=m[:, None])
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
@@ -839,14 +840,15 @@ def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, 
 
 
 @triton.jit(do_not_specialize=["TT", "H", "HV"])
-def bwd_dg_kernel(g, A_log, dt_bias, dGi, dGd, dgx, dbp, se, table, dbeta, dg, part, lower_bound, TT, H, HV,
+def bwd_dg_kernel(g, A_log, dt_bias, dGi, dGd, dgx, dbp, se, table, dbeta, dg, part, lower_bound, SG, TT, H, HV,
                   K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, GATE: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """Per chunk: dg = the reverse in-chunk scan of dG (bwd_intra_kernel's dGi plus bwd_dense_kernel's dGd) plus the
     exclusive prefix of the state term dgx, then through the in-kernel gate (GATE): part [P, HV * K + HV] gets this
     chunk's sums over its rows of ddt_bias (column hv * K + d) and of dA_log's terms (column HV * K + hv); unused
     slots write zeros, so a fixed-order column sum over the P slots gives the parameters' gradients. dbeta = the sum
-    of its NB partials (dbp [NB, T, HV]) in slot order. The key dimensions go in BK-wide slices."""
+    of its NB partials (dbp [NB, T, HV]) in slot order. The key dimensions go in BK-wide slices; g's rows are SG
+    elements apart (fwd_gate_kernel)."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.load(table + 2 * p)
@@ -873,7 +875,8 @@ def bwd_dg_kernel(g, A_log, dt_bias, dGi, dGd, dgx, dbp, se, table, dbeta, dg, p
         b_dg += tl.cumsum(tl.load(dgx + k_off - HV * K, mask=(m & (o_t > 0))[:, None], other=0.), axis=0)
         if GATE != 0:
             a_log, bias = _gate_params(A_log, dt_bias, hv, o_k, K, GATE)
-            x = tl.load(g + k_off, mask=m[:, None], other=0.).to(tl.float32) + bias[None, :]
+            x = tl.load(g + rows[:, None] * SG + hv * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
+            x += bias[None, :]
             ea = tl.exp(a_log)
             if GATE == 1:
                 ta = b_dg * (-ea * _softplus(x))  # d g_eff / d A_log = g_eff

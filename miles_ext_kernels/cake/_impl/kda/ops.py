@@ -23,6 +23,7 @@ from miles_ext_kernels.cake._runtime.checks import check_tensor
 from miles_ext_kernels.cake._runtime.cp import check_call as check_cp_call
 from miles_ext_kernels.cake._runtime.cp import simulate, stage_function
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
+from miles_ext_kernels.cake._runtime.operands import operand
 from miles_ext_kernels.cake.kda import HEAD_DIMS, SAFE_LOWER_BOUND  # the declaration owns what is served
 from miles_ext_kernels.cake.kda import OP as SPEC
 
@@ -92,6 +93,15 @@ def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2
 
 # ----------------------------------------------------------------------------------------------------------------
 # launchers (no autograd)
+def _gate_operand(g: torch.Tensor) -> torch.Tensor:
+    """g as rows [B * T, HV * K] for the gate kernels (fwd_gate, bwd_dg), which take the row stride: in place where
+    its heads are packed within a token (a view of a wider projection), its row stride is a multiple of 16 elements
+    and every offset fits int32; otherwise a contiguous copy."""
+    B, T, HV, K = g.shape
+    return operand(g, OP, "g", view=(B * T, HV * K), stride_multiple=16,
+                   fits=lambda x: x.numel() == 0 or (x.shape[0] - 1) * x.stride(0) + x.shape[1] < 2 ** 31)
+
+
 def _decayed(tab: dict, cname: str) -> bool:
     """Whether the state kernel of config entry `cname` takes its decay-weighted operands from decayed_kernel (the
     entry's DECAYED; a host choice by shapes, as the entry is: the bits are the same either way)."""
@@ -141,7 +151,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     else:
         qn, kk = q, k
     N, P, table, se = core.chunk_setup(OP, cu_seqlens, B, T, device)
-    gd = _c(g, "g")  # the log decay (fp32) or the raw gate (its own dtype: the prep reads it)
+    gd = _gate_operand(g)  # the log decay (fp32) or the raw gate (its own dtype: the prep reads it)
     bf = _c(beta.to(torch.float32), "beta")
     if gate:
         al, db = _c(A_log, "A_log"), _c(dt_bias, "dt_bias")
@@ -154,7 +164,8 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     gk = min(K, tab["gate"]["BK"])
     gs = min(K // gk, tab["gate"]["SPLIT"])
     launch(kn.fwd_gate_kernel, (P, HV, gs), g=gd, A_log=al, dt_bias=db, se=se, table=table, gc=gc,
-           lower_bound=float(lower_bound), H=H, HV=HV, K=K, BT=BT, BK=gk, SPLIT=gs, GATE=gate, **_cfg(tab, "gate"))
+           lower_bound=float(lower_bound), SG=gd.stride(0), H=H, HV=HV, K=K, BT=BT, BK=gk, SPLIT=gs, GATE=gate,
+           **_cfg(tab, "gate"))
     Ls = _ws("Ls", (Tt, HV, BT), torch.float32, device)
     launch(kn.fwd_grams_kernel, (P * 4, HV), q=qn, k=kk, gc=gc, beta=bf, se=se, table=table, Aqk=Aqk, Ls=Ls,
            scale=float(scale), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["grams"]["BK"]), INTERPRET=INTERPRET,
@@ -236,7 +247,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     q, k, v = _c(q, "q"), _c(k, "k"), _c(v, "v")
     if not use_l2:
         qn, kk = q, k
-    gd = _c(g, "g")
+    gd = _gate_operand(g)
     bf = _c(beta.to(torch.float32), "beta")
     if gate:
         al, db = _c(A_log, "A_log"), _c(dt_bias, "dt_bias")
@@ -304,7 +315,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     dg = torch.empty(B, T, HV, K, dtype=g.dtype, device=device)
     part = _ws("gate_part", (P, HV * K + HV), torch.float32, device) if gate else dbf
     launch(kn.bwd_dg_kernel, grid, g=gd, A_log=al, dt_bias=db, dGi=dGi, dGd=dgs, dgx=dgx, dbp=dbp, se=se, table=table,
-           dbeta=dbf, dg=dg, part=part, lower_bound=float(lower_bound), TT=Tt, H=H, HV=HV, K=K, BT=BT,
+           dbeta=dbf, dg=dg, part=part, lower_bound=float(lower_bound), SG=gd.stride(0), TT=Tt, H=H, HV=HV, K=K, BT=BT,
            BK=min(K, tab["dg"]["BK"]), NB=NK + 1, GATE=gate, INTERPRET=INTERPRET, **_cfg(tab, "dg"))
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
