@@ -92,6 +92,39 @@ def assert_det_bits_again_fast_side_stream_pool(run, ours: dict, fast: dict) -> 
             assert torch.equal(ours[name], other[name]), name
 
 
+def wide_views(call, names, pad: int):
+    """`call` with its positional operands `names` (of q, k, v, g, beta) passed as views of wider projections: each
+    [B, T, A, D] operand becomes the first A * D columns of [B, T, A * D + pad] rows (a cat, so gradients reach the
+    originals), heads packed within a token, token stride A * D + pad."""
+    def run(*args, **kw):
+        args = list(args)
+        for name in names:
+            i = QKVGB.index(name)
+            x = args[i]
+            B, T, A, D = x.shape
+            rows = torch.cat([x.reshape(B, T, A * D), torch.randn(B, T, pad, device=x.device).to(x.dtype)], -1)
+            args[i] = rows[..., :A * D].view(B, T, A, D)
+            assert args[i].stride(1) == A * D + pad and not args[i].is_contiguous()
+        return call(*args, **kw)
+    return run
+
+
+def assert_views_read_in_place(op: str, run_impl, inp: dict, call, names, l2: bool, in_place: set,
+                               pad: int = 16) -> None:
+    """Operands `names` as views of wider projections (`wide_views`, rows `pad` elements wider) give the bits of
+    contiguous ones for o, the final state and every gradient; those in `in_place` are read without a copy (the
+    others copied once in the forward and once in the backward)."""
+    from miles_ext_kernels.cake._runtime.operands import COPIES
+
+    plain = run_impl(inp, l2=l2)
+    before = {n: COPIES[(op, n)] for n in names}
+    viewed = run_impl(inp, l2=l2, impl=wide_views(call, names, pad))
+    copied = {n for n in names if COPIES[(op, n)] != before[n]}
+    assert copied == set(names) - in_place, copied
+    for n in plain:
+        assert torch.equal(plain[n], viewed[n]), n
+
+
 def checkpointed(fn):
     """`fn` under torch.utils.checkpoint (its forward run again in the backward), as a demo run_impl's `impl`."""
     def run(*args, **kwargs):

@@ -8,7 +8,7 @@ import miles_ext_kernels as mek
 from miles_ext_kernels.cake import gdn
 from miles_ext_kernels.cake._runtime import varlen
 from miles_ext_kernels.cake._runtime.testing import check_budget, rel_rms
-from tests.cake._delta_rule import assert_nonfinite_as_in_demo_reference
+from tests.cake._delta_rule import assert_nonfinite_as_in_demo_reference, assert_views_read_in_place
 from tests.cake._helpers import assert_raises_before_launch, record_cu_seqlens_checks
 
 pytestmark = pytest.mark.interpreter
@@ -291,6 +291,18 @@ def test_nonfinite_token_reaches_only_later_rows(name, value):
     masked matrices would spread it through 0 * NaN = NaN) nor the other document; every other row keeps its bits."""
     inp = demo_mod.make_inputs([70, 50], 1, 2, 16, 16, "cpu", l2=True, seed=6)
     assert_nonfinite_as_in_demo_reference("gdn", inp, name, value, (20, 70 + 30))
+
+
+@pytest.mark.parametrize("l2", [True, False])
+def test_views_of_a_wider_projection(l2):
+    """q, k, v as views of a packed projection (Qwen3-Next's split conv output): with the L2 norm in the kernel q and
+    k are read in place (only the L2 norm's kernels read them), v is copied; without it all three are copied. Bits
+    equal to contiguous operands either way."""
+    from miles_ext_kernels.cake.gdn import chunk_gated_delta_rule
+
+    inp = demo_mod.make_inputs([1, 63, 65, 0, 20], 1, 2, 16, 32, "cpu", seed=3)
+    assert_views_read_in_place("gdn", demo_mod.run_impl, inp, chunk_gated_delta_rule, ("q", "k", "v"), l2,
+                               {"q", "k"} if l2 else set())
 
 
 def test_routes_are_the_launchers_launches():

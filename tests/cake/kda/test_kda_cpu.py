@@ -6,7 +6,7 @@ import torch
 
 import miles_ext_kernels as mek
 from miles_ext_kernels.cake import kda
-from tests.cake._delta_rule import assert_nonfinite_as_in_demo_reference, checkpointed
+from tests.cake._delta_rule import assert_nonfinite_as_in_demo_reference, assert_views_read_in_place, checkpointed
 from tests.cake._helpers import record_cu_seqlens_checks
 
 pytestmark = pytest.mark.interpreter
@@ -160,29 +160,17 @@ def test_decayed_state_route_same_bits(narrow, monkeypatch):
         assert torch.equal(plain[n], decayed[n]), n
 
 
-@pytest.mark.parametrize("gate, pad, in_place", [("softplus", 16, True), ("pre", 16, True), ("safe", 3, False)])
-def test_gate_view_of_a_wider_projection(gate, pad, in_place):
-    """g as a view of a wider projection ([T, HV * K + pad] rows, heads packed within a row) is read in place where
-    its row stride is a multiple of 16 elements and copied otherwise; either way o, the final state and every
-    gradient (dg through the view included) equal the contiguous g's bits. bf16 raw gate, fp32 log decay."""
-    from miles_ext_kernels.cake._runtime.operands import COPIES
-
+@pytest.mark.parametrize("gate, l2, pad, in_place", [("softplus", True, 16, {"q", "k", "g"}),
+                                                     ("pre", False, 16, {"g"}), ("safe", True, 3, set())])
+def test_views_of_a_wider_projection(gate, l2, pad, in_place):
+    """q, k, v and g as views of wider projections: g is read in place (the gate kernels take its row stride), q
+    and k too with the L2 norm in the kernel (only its kernels read them), v is copied, and so is every operand
+    whose row stride is not a multiple of 16 elements; o, the final state and every gradient (dg through the view
+    included) equal the contiguous operands' bits. bf16 raw gate, fp32 log decay."""
     inp = demo_mod.make_inputs([1, 63, 65, 0, 20], 1, 2, 16, 32, "cpu", gate=gate, trans=True, seed=7,
                                gate_dtype=torch.bfloat16)
-    plain = demo_mod.run_impl(inp)
-
-    def wide_g(q, k, v, g, beta, **kw):
-        B, T, HV, K = g.shape
-        rows = torch.cat([g.reshape(B, T, HV * K), torch.randn(B, T, pad).to(g.dtype)], -1)
-        gv = rows[..., :HV * K].view(B, T, HV, K)
-        assert gv.stride(1) == HV * K + pad and not gv.is_contiguous()
-        return kda.chunk_kda(q, k, v, gv, beta, **kw)
-
-    before = COPIES[("kda", "g")]
-    viewed = demo_mod.run_impl(inp, impl=wide_g)
-    assert (COPIES[("kda", "g")] == before) == in_place  # forward and backward: no copy, or one each
-    for n in plain:
-        assert torch.equal(plain[n], viewed[n]), n
+    assert_views_read_in_place("kda", demo_mod.run_impl, inp, kda.chunk_kda, ("q", "k", "v", "g"), l2, in_place,
+                               pad)
 
 
 def _check_all(ours, ref, budgets):

@@ -207,30 +207,34 @@ def _store_slot(h, slot, hv, HV, o_k, o_v, b_s, K: tl.constexpr, V: tl.constexpr
 
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _l2norm_rows(x, y, off, m, INTERPRET: tl.constexpr):
-    b = tl.load(x + off, mask=m[:, None], other=0.).to(tl.float32)
-    rstd = 1. / tl.sqrt(tl.sum(b * b, 1) + 1e-6)
-    tl.store(y + off, _rnd((b * rstd[:, None]), y.dtype.element_ty, INTERPRET), mask=m[:, None])
-
-
-@triton.jit(do_not_specialize=["R"])
-def l2norm_fwd_kernel(x, y, x2, y2, R, K: tl.constexpr, BR: tl.constexpr, INTERPRET: tl.constexpr):
-    """y = x / sqrt(sum(x^2) + 1e-6) per row of K; program axis 1 picks (x, y) or (x2, y2) (q and k in one launch)."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    m = rows < R
+def _l2norm_rows(x, y, rows, SX, H, m, K: tl.constexpr, INTERPRET: tl.constexpr):
     o_k = tl.arange(0, K)
-    off = rows.to(tl.int64)[:, None] * K + o_k[None, :]
+    b = tl.load(x + ((rows // H) * SX + (rows % H) * K)[:, None] + o_k[None, :], mask=m[:, None], other=0.)
+    b = b.to(tl.float32)
+    rstd = 1. / tl.sqrt(tl.sum(b * b, 1) + 1e-6)
+    tl.store(y + rows[:, None] * K + o_k[None, :], _rnd((b * rstd[:, None]), y.dtype.element_ty, INTERPRET),
+             mask=m[:, None])
+
+
+@triton.jit(do_not_specialize=["R", "H"])
+def l2norm_fwd_kernel(x, y, x2, y2, R, SX, SX2, H, K: tl.constexpr, BR: tl.constexpr, INTERPRET: tl.constexpr):
+    """y = x / sqrt(sum(x^2) + 1e-6) per head (R rows of K: tokens x H heads); program axis 1 picks (x, y) or
+    (x2, y2) (q and k in one launch). x's tokens are SX elements apart (SX2 for x2: views of a wider projection are
+    read in place), y is contiguous."""
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    m = rows < R
     if tl.program_id(1) == 0:
-        _l2norm_rows(x, y, off, m, INTERPRET)
+        _l2norm_rows(x, y, rows, SX, H, m, K, INTERPRET)
     else:
-        _l2norm_rows(x2, y2, off, m, INTERPRET)
+        _l2norm_rows(x2, y2, rows, SX2, H, m, K, INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["R", "H", "HV"])
-def bwd_final_kernel(x, dxv, dx, R, H, HV, K: tl.constexpr, BR: tl.constexpr, L2: tl.constexpr,
+def bwd_final_kernel(x, dxv, dx, R, SX, H, HV, K: tl.constexpr, BR: tl.constexpr, L2: tl.constexpr,
                      INTERPRET: tl.constexpr):
-    """dx[t, h] = sum over the value heads of key head h (fixed order), then back through the L2 norm."""
+    """dx[t, h] = sum over the value heads of key head h (fixed order), then back through the L2 norm of x (its
+    tokens SX elements apart; dx contiguous)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     hh = tl.program_id(1)
     m = rows < R
@@ -241,10 +245,10 @@ def bwd_final_kernel(x, dxv, dx, R, H, HV, K: tl.constexpr, BR: tl.constexpr, L2
     for r in range(0, grp):
         acc += tl.load(dxv + rows64[:, None] * (HV * K) + (hh * grp + r) * K + o_k[None, :], mask=m[:, None],
                        other=0.).to(tl.float32)
-    x_off = rows64[:, None] * (H * K) + hh * K + o_k[None, :]
     if L2:
-        b_x = tl.load(x + x_off, mask=m[:, None], other=0.).to(tl.float32)
+        b_x = tl.load(x + rows64[:, None] * SX + hh * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
         rstd = 1. / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)
         b_y = b_x * rstd[:, None]
         acc = (acc - b_y * tl.sum(b_y * acc, 1)[:, None]) * rstd[:, None]
-    tl.store(dx + x_off, _rnd(acc, dx.dtype.element_ty, INTERPRET), mask=m[:, None])
+    tl.store(dx + rows64[:, None] * (H * K) + hh * K + o_k[None, :], _rnd(acc, dx.dtype.element_ty, INTERPRET),
+             mask=m[:, None])

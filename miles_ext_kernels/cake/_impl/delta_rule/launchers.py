@@ -28,6 +28,24 @@ def dense(x: torch.Tensor, op: str, name: str) -> torch.Tensor:
     return operand(x, op, name, contiguous=True)
 
 
+def token_rows(x: torch.Tensor, op: str, name: str, int32_offsets: bool = False) -> torch.Tensor:
+    """x [B, T, A, D] as rows [B * T, A * D] for the kernels that take its row stride: in place where its heads are
+    packed within a token (a view of a wider projection: unit last stride, head stride D), its row stride is a
+    multiple of 16 elements and, with `int32_offsets` (kernels that index it in int32), every offset fits int32;
+    otherwise a contiguous copy."""
+    B, T, A, D = x.shape
+    fits = None
+    if int32_offsets:
+        def fits(r):
+            return r.numel() == 0 or (r.shape[0] - 1) * r.stride(0) + r.shape[1] < 2 ** 31
+    return operand(x, op, name, view=(B * T, A * D), stride_multiple=16, fits=fits)
+
+
+def row_stride(x: torch.Tensor) -> int:
+    """Elements between tokens of `x`: rows [B * T, A * D] from `token_rows`, or a contiguous [B, T, A, D]."""
+    return x.stride(0) if x.dim() == 2 else x.shape[-2] * x.shape[-1]
+
+
 def empty0(device, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 
@@ -47,14 +65,17 @@ def chunk_setup(op: str, cu_seqlens, B: int, T: int, device) -> tuple:
     return N, P, table, se
 
 
-def l2norm(q: torch.Tensor, k: torch.Tensor, cfg: dict) -> tuple:
-    """q, k L2-normalised per row of K, in one launch. cfg: BR, num_warps, num_stages."""
-    K = q.shape[-1]
-    qn, kn = torch.empty_like(q), torch.empty_like(k)
-    R = q.numel() // K
+def l2norm(q: torch.Tensor, k: torch.Tensor, shape: tuple, cfg: dict) -> tuple:
+    """q, k (`shape` [B, T, H, K]: contiguous, or rows from `token_rows`) L2-normalised per head, in one launch, into
+    contiguous `shape` tensors. cfg: BR, num_warps, num_stages."""
+    B, T, H, K = shape
+    qn = torch.empty(shape, dtype=q.dtype, device=q.device)
+    kn = torch.empty(shape, dtype=k.dtype, device=k.device)
+    R = B * T * H
     BR = cfg["BR"]
-    launch(common.l2norm_fwd_kernel, ((R + BR - 1) // BR, 2), x=q, y=qn, x2=k, y2=kn, R=R, K=K, BR=BR,
-           INTERPRET=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launch(common.l2norm_fwd_kernel, ((R + BR - 1) // BR, 2), x=q, y=qn, x2=k, y2=kn, R=R, SX=row_stride(q),
+           SX2=row_stride(k), H=H, K=K, BR=BR, INTERPRET=INTERPRET, num_warps=cfg["num_warps"],
+           num_stages=cfg["num_stages"])
     return qn, kn
 
 
@@ -64,7 +85,8 @@ def key_head_sums(pairs, R: int, H: int, HV: int, K: int, use_l2: bool, cfg: dic
     BR = cfg["BR"]
     grid = (build.cdiv(R, BR), H)
     for x, dxv, dx in pairs:
-        launch(common.bwd_final_kernel, grid, x=x, dxv=dxv, dx=dx, R=R, H=H, HV=HV, K=K, BR=BR, L2=use_l2,
+        launch(common.bwd_final_kernel, grid, x=x, dxv=dxv, dx=dx, R=R, SX=row_stride(x), H=H, HV=HV, K=K, BR=BR,
+               L2=use_l2,
                INTERPRET=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

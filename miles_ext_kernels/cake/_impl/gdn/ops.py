@@ -62,10 +62,16 @@ def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2
     return B, T, H, K, HV, V, N
 
 
-def _operands(q, k, v) -> tuple:
-    """(config table, (B, T, H, K, HV, V), q, k, v as the kernels read them) of a forward or backward call."""
+def _operands(q, k, v, use_l2: bool) -> tuple:
+    """(config table, (B, T, H, K, HV, V), q, k, v as the kernels read them) of a forward or backward call. With the
+    L2 norm only its kernels read q and k, and they take the token stride: rows (`core.token_rows`) of a view of a
+    wider projection in place."""
     B, T, H, K = q.shape
-    return configs.CONFIGS[arch_of(q, "q")], (B, T, H, K, v.shape[2], v.shape[3]), _c(q, "q"), _c(k, "k"), _c(v, "v")
+    if use_l2:
+        q, k = core.token_rows(q, OP, "q"), core.token_rows(k, OP, "k")
+    else:
+        q, k = _c(q, "q"), _c(k, "k")
+    return configs.CONFIGS[arch_of(q, "q")], (B, T, H, K, v.shape[2], v.shape[3]), q, k, _c(v, "v")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -114,12 +120,12 @@ def forward_stage(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
                   cp=None):
     """gdn_forward as a stage generator: under a CP context (`cp`, whose cu_seqlens the call reads) it exchanges
     states with the other ranks before the recurrence (`delta_rule/cp.py`) and also returns the gathered buffer."""
-    tab, (B, T, H, K, HV, V), q, k, v = _operands(q, k, v)
+    tab, (B, T, H, K, HV, V), q, k, v = _operands(q, k, v, use_l2)
     device, dt, Tt = q.device, q.dtype, B * T
     # the L2 norm first: the GPU runs it while the host prepares the chunk table and the next launches (launched
     # after the table, it waited on that host work: a 0.09 ms gap in a synced call's timeline)
     if use_l2:
-        qn, kk = core.l2norm(q, k, _rows_cfg(tab, "l2norm"))
+        qn, kk = core.l2norm(q, k, (B, T, H, K), _rows_cfg(tab, "l2norm"))
     else:
         qn, kk = q, k
     N, P, table, se = core.chunk_setup(OP, cu_seqlens, B, T, device)
@@ -174,7 +180,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
     """gdn_backward as a stage generator: under a CP context (`cp`; `initial_state` then the forward's incoming
     states, `gathered_fwd` its gathered buffer) it exchanges state gradients with the other ranks before the reverse
     recurrence and returns no dh0."""
-    tab, (B, T, H, K, HV, V), q, k, v = _operands(q, k, v)
+    tab, (B, T, H, K, HV, V), q, k, v = _operands(q, k, v, use_l2)
     device, dt, Tt = q.device, q.dtype, B * T
     N, P = se.shape[0], table.shape[0]
     if not use_l2:
@@ -235,8 +241,8 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
     launch(kn.bwd_wy_kernel, grid, k=kk, v=v, beta=bf, gc=gc, A=A, dw=dw, dd=dd, se=se, table=table, dk=dkv, dko=dkf,
            dgp=dgp, dv=dv, dbeta=dbf, dg=dgf, H=H, HV=HV, K=K, V=V, BT=BT, NK=NP, ND=ND, INTERPRET=INTERPRET,
            **_cfg(tab, "wy"))
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
+    dq = torch.empty(B, T, H, K, dtype=q.dtype, device=device)
+    dk = torch.empty(B, T, H, K, dtype=k.dtype, device=device)
     core.key_head_sums(((q, dqv, dq), (k, dkf, dk)), Tt, H, HV, K, use_l2, _rows_cfg(tab, "final"))
     dg = dgf.view(B, T, HV).to(g.dtype)
     db = dbf.view(B, T, HV).to(beta.dtype)

@@ -23,7 +23,6 @@ from miles_ext_kernels.cake._runtime.checks import check_tensor
 from miles_ext_kernels.cake._runtime.cp import check_call as check_cp_call
 from miles_ext_kernels.cake._runtime.cp import simulate, stage_function
 from miles_ext_kernels.cake._runtime.launch import arch_of, collect_routes, launch
-from miles_ext_kernels.cake._runtime.operands import operand
 from miles_ext_kernels.cake.kda import HEAD_DIMS, SAFE_LOWER_BOUND  # the declaration owns what is served
 from miles_ext_kernels.cake.kda import OP as SPEC
 
@@ -94,12 +93,17 @@ def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2
 # ----------------------------------------------------------------------------------------------------------------
 # launchers (no autograd)
 def _gate_operand(g: torch.Tensor) -> torch.Tensor:
-    """g as rows [B * T, HV * K] for the gate kernels (fwd_gate, bwd_dg), which take the row stride: in place where
-    its heads are packed within a token (a view of a wider projection), its row stride is a multiple of 16 elements
-    and every offset fits int32; otherwise a contiguous copy."""
-    B, T, HV, K = g.shape
-    return operand(g, OP, "g", view=(B * T, HV * K), stride_multiple=16,
-                   fits=lambda x: x.numel() == 0 or (x.shape[0] - 1) * x.stride(0) + x.shape[1] < 2 ** 31)
+    """g as rows [B * T, HV * K] for the gate kernels (fwd_gate, bwd_dg), which take the row stride and index in
+    int32: a view of a wider projection in place where it can be (`core.token_rows`)."""
+    return core.token_rows(g, OP, "g", int32_offsets=True)
+
+
+def _qk_operands(q: torch.Tensor, k: torch.Tensor, use_l2: bool) -> tuple:
+    """q, k as the kernels read them: with the L2 norm only its kernels read them, and they take the token stride
+    (rows of a view of a wider projection in place: `core.token_rows`); otherwise contiguous."""
+    if use_l2:
+        return core.token_rows(q, OP, "q"), core.token_rows(k, OP, "k")
+    return _c(q, "q"), _c(k, "k")
 
 
 def _decayed(tab: dict, cname: str) -> bool:
@@ -144,10 +148,10 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     HV, V = v.shape[2], v.shape[3]
     device, dt = q.device, q.dtype
     Tt = B * T
-    q, k, v = _c(q, "q"), _c(k, "k"), _c(v, "v")
+    q, k, v = _qk_operands(q, k, use_l2) + (_c(v, "v"),)
     # the L2 norm first: the GPU runs it while the host prepares the chunk table and the next launches
     if use_l2:
-        qn, kk = core.l2norm(q, k, _rows_cfg(tab, "l2norm"))
+        qn, kk = core.l2norm(q, k, (B, T, H, K), _rows_cfg(tab, "l2norm"))
     else:
         qn, kk = q, k
     N, P, table, se = core.chunk_setup(OP, cu_seqlens, B, T, device)
@@ -244,7 +248,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     device, dt = q.device, q.dtype
     Tt = B * T
     P = table.shape[0]
-    q, k, v = _c(q, "q"), _c(k, "k"), _c(v, "v")
+    q, k, v = _qk_operands(q, k, use_l2) + (_c(v, "v"),)
     if not use_l2:
         qn, kk = q, k
     gd = _gate_operand(g)
@@ -317,8 +321,8 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     launch(kn.bwd_dg_kernel, grid, g=gd, A_log=al, dt_bias=db, dGi=dGi, dGd=dgs, dgx=dgx, dbp=dbp, se=se, table=table,
            dbeta=dbf, dg=dg, part=part, lower_bound=float(lower_bound), SG=gd.stride(0), TT=Tt, H=H, HV=HV, K=K, BT=BT,
            BK=min(K, tab["dg"]["BK"]), NB=NK + 1, GATE=gate, INTERPRET=INTERPRET, **_cfg(tab, "dg"))
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
+    dq = torch.empty(B, T, H, K, dtype=q.dtype, device=device)
+    dk = torch.empty(B, T, H, K, dtype=k.dtype, device=device)
     core.key_head_sums(((q, dqv, dq), (k, dkf, dk)), Tt, H, HV, K, use_l2, _rows_cfg(tab, "final"))
     if gate:
         dA = torch.empty(HV, dtype=torch.float32, device=device)
