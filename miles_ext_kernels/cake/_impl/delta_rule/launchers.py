@@ -41,6 +41,14 @@ def token_rows(x: torch.Tensor, op: str, name: str, int32_offsets: bool = False)
     return operand(x, op, name, view=(B * T, A * D), stride_multiple=16, fits=fits)
 
 
+def qk_operands(q: torch.Tensor, k: torch.Tensor, op: str, use_l2: bool) -> tuple:
+    """q, k as the kernels read them: with the L2 norm in the kernel only its forward and backward read them, and
+    they take the token stride (`token_rows`: a view of a wider projection in place); otherwise contiguous."""
+    if use_l2:
+        return token_rows(q, op, "q"), token_rows(k, op, "k")
+    return dense(q, op, "q"), dense(k, op, "k")
+
+
 def row_stride(x: torch.Tensor) -> int:
     """Elements between tokens of `x`: rows [B * T, A * D] from `token_rows`, or a contiguous [B, T, A, D]."""
     return x.stride(0) if x.dim() == 2 else x.shape[-2] * x.shape[-1]

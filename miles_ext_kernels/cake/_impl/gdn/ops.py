@@ -63,14 +63,10 @@ def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2
 
 
 def _operands(q, k, v, use_l2: bool) -> tuple:
-    """(config table, (B, T, H, K, HV, V), q, k, v as the kernels read them) of a forward or backward call. With the
-    L2 norm only its kernels read q and k, and they take the token stride: rows (`core.token_rows`) of a view of a
-    wider projection in place."""
+    """(config table, (B, T, H, K, HV, V), q, k, v as the kernels read them: `core.qk_operands`) of a forward or
+    backward call."""
     B, T, H, K = q.shape
-    if use_l2:
-        q, k = core.token_rows(q, OP, "q"), core.token_rows(k, OP, "k")
-    else:
-        q, k = _c(q, "q"), _c(k, "k")
+    q, k = core.qk_operands(q, k, OP, use_l2)
     return configs.CONFIGS[arch_of(q, "q")], (B, T, H, K, v.shape[2], v.shape[3]), q, k, _c(v, "v")
 
 

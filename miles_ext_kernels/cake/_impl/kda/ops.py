@@ -98,14 +98,6 @@ def _gate_operand(g: torch.Tensor) -> torch.Tensor:
     return core.token_rows(g, OP, "g", int32_offsets=True)
 
 
-def _qk_operands(q: torch.Tensor, k: torch.Tensor, use_l2: bool) -> tuple:
-    """q, k as the kernels read them: with the L2 norm only its kernels read them, and they take the token stride
-    (rows of a view of a wider projection in place: `core.token_rows`); otherwise contiguous."""
-    if use_l2:
-        return core.token_rows(q, OP, "q"), core.token_rows(k, OP, "k")
-    return _c(q, "q"), _c(k, "k")
-
-
 def _decayed(tab: dict, cname: str) -> bool:
     """Whether the state kernel of config entry `cname` takes its decay-weighted operands from decayed_kernel (the
     entry's DECAYED; a host choice by shapes, as the entry is: the bits are the same either way)."""
@@ -148,7 +140,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     HV, V = v.shape[2], v.shape[3]
     device, dt = q.device, q.dtype
     Tt = B * T
-    q, k, v = _qk_operands(q, k, use_l2) + (_c(v, "v"),)
+    q, k, v = core.qk_operands(q, k, OP, use_l2) + (_c(v, "v"),)
     # the L2 norm first: the GPU runs it while the host prepares the chunk table and the next launches
     if use_l2:
         qn, kk = core.l2norm(q, k, (B, T, H, K), _rows_cfg(tab, "l2norm"))
@@ -248,7 +240,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     device, dt = q.device, q.dtype
     Tt = B * T
     P = table.shape[0]
-    q, k, v = _qk_operands(q, k, use_l2) + (_c(v, "v"),)
+    q, k, v = core.qk_operands(q, k, OP, use_l2) + (_c(v, "v"),)
     if not use_l2:
         qn, kk = q, k
     gd = _gate_operand(g)
