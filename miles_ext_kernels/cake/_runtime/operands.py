@@ -25,9 +25,12 @@ def operand(t: torch.Tensor, op: str, name: str, *, view: Optional[tuple] = None
     (an op's own condition, e.g. offsets that must stay within int32) holds. Otherwise a contiguous copy of that
     shape, counted in `COPIES[(op, name)]`.
     """
-    if (view is None and t.is_contiguous() and (t.data_ptr() % 16 == 0 or t.numel() == 0)
-            and (fits is None or fits(t))):
-        return t  # the common case first: a few us of checks per operand matter on the norms' host path
+    if t.is_contiguous() and (t.data_ptr() % 16 == 0 or t.numel() == 0):
+        # the common case first: a few us of checks per operand matter on the host path (a copy of a contiguous
+        # tensor would have its strides, so the stride condition cannot fail here)
+        v = t if view is None else t.view(*view)
+        if fits is None or fits(v):
+            return v
     v = t
     if view is not None:
         try:

@@ -34,11 +34,11 @@ def token_rows(x: torch.Tensor, op: str, name: str, int32_offsets: bool = False)
     multiple of 16 elements and, with `int32_offsets` (kernels that index it in int32), every offset fits int32;
     otherwise a contiguous copy."""
     B, T, A, D = x.shape
-    fits = None
-    if int32_offsets:
-        def fits(r):
-            return r.numel() == 0 or (r.shape[0] - 1) * r.stride(0) + r.shape[1] < 2 ** 31
-    return operand(x, op, name, view=(B * T, A * D), stride_multiple=16, fits=fits)
+    return operand(x, op, name, view=(B * T, A * D), stride_multiple=16, fits=_int32_rows if int32_offsets else None)
+
+
+def _int32_rows(r: torch.Tensor) -> bool:
+    return r.numel() == 0 or (r.shape[0] - 1) * r.stride(0) + r.shape[1] < 2 ** 31
 
 
 def qk_operands(q: torch.Tensor, k: torch.Tensor, op: str, use_l2: bool) -> tuple:
@@ -94,8 +94,7 @@ def key_head_sums(pairs, R: int, H: int, HV: int, K: int, use_l2: bool, cfg: dic
     grid = (build.cdiv(R, BR), H)
     for x, dxv, dx in pairs:
         launch(common.bwd_final_kernel, grid, x=x, dxv=dxv, dx=dx, R=R, SX=row_stride(x), H=H, HV=HV, K=K, BR=BR,
-               L2=use_l2,
-               INTERPRET=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+               L2=use_l2, INTERPRET=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
