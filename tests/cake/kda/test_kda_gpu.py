@@ -182,9 +182,9 @@ def test_batch_without_cu_seqlens_no_l2():
 
 
 def test_views_of_a_wider_projection_read_in_place():
-    """q, k, v, g as views of wider projections at K = V = 128 (safe gate, bf16 raw gate): q, k and g read in place,
-    v copied; every output and gradient equal to contiguous operands' bits."""
+    """q, k, v, g as views of wider projections at K = V = 128 (safe gate, bf16 raw gate): all four read in place;
+    every output and gradient equal to contiguous operands' bits."""
     inp = demo_mod.make_inputs([40, 300, 64, 1], 2, 4, K, V, "cuda", gate="safe", trans=True, seed=9,
                                gate_dtype=torch.bfloat16)
     delta_rule.assert_views_read_in_place("kda", demo_mod.run_impl, inp, kda.chunk_kda, ("q", "k", "v", "g"), True,
-                                          {"q", "k", "g"})
+                                          {"q", "k", "v", "g"})

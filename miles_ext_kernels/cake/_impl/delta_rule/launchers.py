@@ -41,12 +41,14 @@ def _int32_rows(r: torch.Tensor) -> bool:
     return r.numel() == 0 or (r.shape[0] - 1) * r.stride(0) + r.shape[1] < 2 ** 31
 
 
-def qk_operands(q: torch.Tensor, k: torch.Tensor, op: str, use_l2: bool) -> tuple:
-    """q, k as the kernels read them: with the L2 norm in the kernel only its forward and backward read them, and
-    they take the token stride (`token_rows`: a view of a wider projection in place); otherwise contiguous."""
+def qkv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str, use_l2: bool) -> tuple:
+    """q, k, v as the kernels read them. v: rows (`token_rows`: a view of a wider projection in place; the WY
+    kernels take its row stride and index in int32). q, k: with the L2 norm in the kernel only its forward and
+    backward read them, and they take the token stride (`token_rows`); otherwise contiguous."""
+    vr = token_rows(v, op, "v", int32_offsets=True)
     if use_l2:
-        return token_rows(q, op, "q"), token_rows(k, op, "k")
-    return dense(q, op, "q"), dense(k, op, "k")
+        return token_rows(q, op, "q"), token_rows(k, op, "k"), vr
+    return dense(q, op, "q"), dense(k, op, "k"), vr
 
 
 def row_stride(x: torch.Tensor) -> int:

@@ -208,9 +208,9 @@ def fwd_prep_kernel(k, g, beta, se, table, gc, A, H, HV, K: tl.constexpr, BT: tl
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V: tl.constexpr,
+def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, SV, H, HV, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, INTERPRET: tl.constexpr):
-    """w = A (beta exp(G) k), u = A (beta v) per chunk."""
+    """w = A (beta exp(G) k), u = A (beta v) per chunk. SV: v's row stride (elements between tokens)."""
     p, ik, hv, n, ic, bos, eos = _chunk_of(table, se, 1)
     if n < 0:
         return
@@ -224,7 +224,7 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V:
     # are NaN (`_causal_store`)
     b_x = b_k * (b_b * tl.exp(b_gc))[:, None]
     _causal_store(b_A, b_x, w, rows, m, hv, HV, o_k, K, BT, DT, INTERPRET)
-    b_v = tl.load(v + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
+    b_v = tl.load(v + rows[:, None] * SV + hv * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
     _causal_store(b_A, b_v * b_b[:, None], u, rows, m, hv, HV, o_v, V, BT, DT, INTERPRET)
 
 
@@ -435,7 +435,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, se, table, dk, dko, dgp, dv, dbeta, dg, H, HV, K: tl.constexpr,
+def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, se, table, dk, dko, dgp, dv, dbeta, dg, SV, H, HV, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr, ND: tl.constexpr, INTERPRET: tl.constexpr):
     """Backward through w = A X, u = A Y and A = (I + L)^-1; finishes dk, dv, dbeta and dg (reverse cumsum).
     dko = dk + this kernel's dk (dko may be dk). dgp holds NK partial dG sums per row (added in order), then ND
@@ -459,7 +459,7 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, se, table, dk, dko, dgp, dv, dbeta,
     msk = o_t[:, None] > o_t[None, :]
     # A^T, Y^T, X^T, k^T are transposes of loaded (not matmul-produced) tiles: safe on triton 3.6 Hopper
     b_at = tl.trans(tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.))
-    b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
+    b_v = tl.load(v + rows[:, None] * SV + hv * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
     b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
     b_dd = tl.load(dd + v_off, mask=m[:, None], other=0.)
     b_dy = _dot(b_at, b_dd, INTERPRET)

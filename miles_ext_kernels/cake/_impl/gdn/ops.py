@@ -63,11 +63,12 @@ def _check(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2
 
 
 def _operands(q, k, v, use_l2: bool) -> tuple:
-    """(config table, (B, T, H, K, HV, V), q, k, v as the kernels read them: `core.qk_operands`) of a forward or
+    """(config table, (B, T, H, K, HV, V), q, k, v as the kernels read them: `core.qkv_operands`) of a forward or
     backward call."""
     B, T, H, K = q.shape
-    q, k = core.qk_operands(q, k, OP, use_l2)
-    return configs.CONFIGS[arch_of(q, "q")], (B, T, H, K, v.shape[2], v.shape[3]), q, k, _c(v, "v")
+    HV, V = v.shape[2], v.shape[3]
+    q, k, v = core.qkv_operands(q, k, v, OP, use_l2)
+    return configs.CONFIGS[arch_of(q, "q")], (B, T, H, K, HV, V), q, k, v
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -96,8 +97,8 @@ def _wu(tab, kk, v, beta, gc, A, se, table, H, HV, K, V, P, device, dt, ws: bool
     T = kk.shape[0] * kk.shape[1]
     w = _ws("w", (T, HV, K), dt, device, own=not ws)
     u = _ws("u", (T, HV, V), dt, device, own=not ws_u)
-    launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=beta, gc=gc, A=A, se=se, table=table, w=w, u=u, H=H, HV=HV,
-           K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
+    launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=beta, gc=gc, A=A, se=se, table=table, w=w, u=u,
+           SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
     return w, u
 
 
@@ -235,8 +236,8 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
     dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     dgf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     launch(kn.bwd_wy_kernel, grid, k=kk, v=v, beta=bf, gc=gc, A=A, dw=dw, dd=dd, se=se, table=table, dk=dkv, dko=dkf,
-           dgp=dgp, dv=dv, dbeta=dbf, dg=dgf, H=H, HV=HV, K=K, V=V, BT=BT, NK=NP, ND=ND, INTERPRET=INTERPRET,
-           **_cfg(tab, "wy"))
+           dgp=dgp, dv=dv, dbeta=dbf, dg=dgf, SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, NK=NP, ND=ND,
+           INTERPRET=INTERPRET, **_cfg(tab, "wy"))
     dq = torch.empty(B, T, H, K, dtype=q.dtype, device=device)
     dk = torch.empty(B, T, H, K, dtype=k.dtype, device=device)
     core.key_head_sums(((q, dqv, dq), (k, dkf, dk)), Tt, H, HV, K, use_l2, _rows_cfg(tab, "final"))

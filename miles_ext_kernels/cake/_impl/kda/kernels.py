@@ -389,9 +389,9 @@ def fwd_inv_kernel(Ls, se, table, A, HV, BT: tl.constexpr, TC: tl.constexpr, INT
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V: tl.constexpr,
+def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, SV, H, HV, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, INTERPRET: tl.constexpr):
-    """w = A (beta exp(G) * k), u = A (beta v) per chunk."""
+    """w = A (beta exp(G) * k), u = A (beta v) per chunk. SV: v's row stride (elements between tokens)."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.load(table + 2 * p)
@@ -413,7 +413,7 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, H, HV, K: tl.constexpr, V:
     # are NaN (`_causal_store`)
     b_x = b_k * (b_b[:, None] * tl.exp(b_gc))
     _causal_store(b_A, b_x, w, rows, m, hv, HV, o_k, K, BT, DT, INTERPRET)
-    b_v = tl.load(v + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
+    b_v = tl.load(v + rows[:, None] * SV + hv * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
     _causal_store(b_A, b_v * b_b[:, None], u, rows, m, hv, HV, o_v, V, BT, DT, INTERPRET)
 
 
@@ -607,8 +607,8 @@ def bwd_dh_kernel(q, k, kd, qg, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H,
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, dks, dgs, dgx, dv, dbs, dL, scale, H,
-                     HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, dks, dgs, dgx, dv, dbs, dL, scale, SV,
+                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      INTERPRET: tl.constexpr):
     """Per chunk, every backward product that is a plain matmul: through o's state term (dq), the state update
     (dk's state term, the chunk-end decay), w = A X and u = A Y (dX, dY: dk, dbeta, dv, dA), and dL = -A^T dA A^T
@@ -673,7 +673,7 @@ def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, d
         tl.store(dqs + k_off, _rnd(b_dq, dqs.dtype.element_ty, INTERPRET), mask=m[:, None])
         tl.store(dks + k_off, _rnd(b_dk, dks.dtype.element_ty, INTERPRET), mask=m[:, None])
         tl.store(dgs + k_off, b_dg, mask=m[:, None])
-    b_v = tl.load(v + v_off, mask=m[:, None], other=0.).to(tl.float32)
+    b_v = tl.load(v + rows[:, None] * SV + hv * V + o_v[None, :], mask=m[:, None], other=0.).to(tl.float32)
     b_y = _rnd((b_v * b_b[:, None]), DT, INTERPRET)
     b_dy = _dot(b_at, b_dd, INTERPRET)
     tl.store(dv + v_off, _rnd((b_dy * b_b[:, None]), dv.dtype.element_ty, INTERPRET), mask=m[:, None])

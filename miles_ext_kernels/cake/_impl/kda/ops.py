@@ -140,7 +140,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     HV, V = v.shape[2], v.shape[3]
     device, dt = q.device, q.dtype
     Tt = B * T
-    q, k, v = core.qk_operands(q, k, OP, use_l2) + (_c(v, "v"),)
+    q, k, v = core.qkv_operands(q, k, v, OP, use_l2)
     # the L2 norm first: the GPU runs it while the host prepares the chunk table and the next launches
     if use_l2:
         qn, kk = core.l2norm(q, k, (B, T, H, K), _rows_cfg(tab, "l2norm"))
@@ -171,8 +171,8 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     w = torch.empty(Tt, HV, K, dtype=dt, device=device)
     # under CP, u outlives the exchange (other ranks' stages may run in between): no scratch
     u = _ws("u", (Tt, HV, V), dt, device, own=cp is not None)
-    launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=bf, gc=gc, A=A, se=se, table=table, w=w, u=u, H=H, HV=HV, K=K,
-           V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
+    launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=bf, gc=gc, A=A, se=se, table=table, w=w, u=u,
+           SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
 
     # the per-chunk states and dlt (kept for the backward); under CP a document's first piece fills its part before
     # the exchange
@@ -240,7 +240,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     device, dt = q.device, q.dtype
     Tt = B * T
     P = table.shape[0]
-    q, k, v = core.qk_operands(q, k, OP, use_l2) + (_c(v, "v"),)
+    q, k, v = core.qkv_operands(q, k, v, OP, use_l2)
     if not use_l2:
         qn, kk = q, k
     gd = _gate_operand(g)
@@ -299,8 +299,9 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     dL = _ws("dL", (Tt, HV, BT), torch.float32, device)
     dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=device)
     launch(kn.bwd_dense_kernel, grid, q=qn, k=kk, v=v, vn=vn, beta=bf, do=do, dd=dd, gc=gc, A=A, h=h, dhe=dhe, se=se,
-           table=table, dqs=dqs, dks=dks, dgs=dgs, dgx=dgx, dv=dv, dbs=dbp[NK], dL=dL, scale=float(scale), H=H, HV=HV,
-           K=K, V=V, BT=BT, BK=min(K, tab["dense"]["BK"]), INTERPRET=INTERPRET, **_cfg(tab, "dense"))
+           table=table, dqs=dqs, dks=dks, dgs=dgs, dgx=dgx, dv=dv, dbs=dbp[NK], dL=dL, scale=float(scale),
+           SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, BK=min(K, tab["dense"]["BK"]), INTERPRET=INTERPRET,
+           **_cfg(tab, "dense"))
     dqv = _ws("dqv", (Tt, HV, K), pdt, device)
     dkf = _ws("dkf", (Tt, HV, K), pdt, device)
     dGi = _ws("dGi", (Tt, HV, K), torch.float32, device)
