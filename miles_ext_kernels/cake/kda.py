@@ -41,8 +41,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """Kimi Delta Attention over packed documents; returns `(o [B, T, HV, V], final_state or None)`.
 
     - q, k: `[B, T, H, K]` bf16; v: `[B, T, HV, V]` bf16, HV a multiple of H (value head hv reads key head
-      hv // (HV / H)); K, V in {16, 32, 64, 128}. Any strides: g, and with `use_qk_l2norm_in_kernel` q and k,
-      are read in place as views of a wider projection (heads packed within a token, token stride a multiple
+      hv // (HV / H)); K, V in {16, 32, 64, 128}. Any strides: g, v, and with `use_qk_l2norm_in_kernel` q and
+      k, are read in place as views of a wider projection (heads packed within a token, token stride a multiple
       of 16); other operands that are not contiguous are copied first.
     - g: `[B, T, HV, K]`. Without `use_gate_in_kernel`: the log decay per key dimension, fp32 (<= 0 in practice; a
       value below -128 counts as -128: exp(-128) is 0 in fp32, so g = -inf, a full forget, stays finite).
