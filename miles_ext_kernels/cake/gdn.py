@@ -38,9 +38,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     """Gated delta rule over packed documents; returns `(o [B, T, HV, V], final_state [N, HV, K, V] or None)`.
 
     - q, k: `[B, T, H, K]` bf16; v: `[B, T, HV, V]` bf16, HV a multiple of H (value head hv reads key head
-      hv // (HV / H)); K, V in {16, 32, 64, 128}. Any strides: v, and with `use_qk_l2norm_in_kernel` q and k, are
-      read in place as views of a wider projection (heads packed within a token, token stride a multiple of 16,
-      e.g. Qwen3-Next's split conv output); other operands that are not contiguous are copied first.
+      hv // (HV / H)); K, V in {16, 32, 64, 128}. Any strides: q, k and v are read in place as views of a wider
+      projection (heads packed within a token, token stride a multiple of 16, e.g. Qwen3-Next's split conv
+      output); other operands that are not contiguous are copied first.
     - g (log-decay, <= 0 in practice) and beta: `[B, T, HV]` fp32, bf16 or fp16 (computed in fp32; their
       gradients come back in their own dtype).
     - scale: a finite float, default K ** -0.5.

@@ -41,9 +41,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """Kimi Delta Attention over packed documents; returns `(o [B, T, HV, V], final_state or None)`.
 
     - q, k: `[B, T, H, K]` bf16; v: `[B, T, HV, V]` bf16, HV a multiple of H (value head hv reads key head
-      hv // (HV / H)); K, V in {16, 32, 64, 128}. Any strides: g, v, and with `use_qk_l2norm_in_kernel` q and
-      k, are read in place as views of a wider projection (heads packed within a token, token stride a multiple
-      of 16); other operands that are not contiguous are copied first.
+      hv // (HV / H)); K, V in {16, 32, 64, 128}. Any strides: q, k, v and g are read in place as views of a wider
+      projection (heads packed within a token, token stride a multiple of 16); other operands that are not
+      contiguous are copied first.
     - g: `[B, T, HV, K]`. Without `use_gate_in_kernel`: the log decay per key dimension, fp32 (<= 0 in practice; a
       value below -128 counts as -128: exp(-128) is 0 in fp32, so g = -inf, a full forget, stays finite).
       With `use_gate_in_kernel=True`: the raw gate, bf16 or fp32, and A_log `[HV]`, dt_bias `[HV * K]` (fp32) are

@@ -131,9 +131,10 @@ def test_batch_without_cu_seqlens_no_l2():
         check_budget(n, got[n], ref[n], BUDGETS[n])  # within budget, and the budget rejects a 2 % error
 
 
-def test_views_of_a_wider_projection_read_in_place():
-    """q, k, v as views of a packed projection at K = V = 128 (Qwen3-Next's split conv output): q and k read in
-    place with the L2 norm, and v; every output and gradient equal to contiguous operands' bits."""
-    inp = demo_mod.make_inputs([40, 300, 64, 1], 2, 4, K, V, "cuda", seed=9, l2=True)
+@pytest.mark.parametrize("l2", [True, False])
+def test_views_of_a_wider_projection_read_in_place(l2):
+    """q, k, v as views of a packed projection at K = V = 128 (Qwen3-Next's split conv output), with the L2 norm in
+    the kernel and without: all three read in place; every output and gradient equal to contiguous operands' bits."""
+    inp = demo_mod.make_inputs([40, 300, 64, 1], 2, 4, K, V, "cuda", seed=9, l2=l2)
     delta_rule.assert_views_read_in_place("gdn", demo_mod.run_impl, inp, gdn.chunk_gated_delta_rule,
-                                          ("q", "k", "v"), True, {"q", "k", "v"})
+                                          ("q", "k", "v"), l2, {"q", "k", "v"})

@@ -161,11 +161,12 @@ def test_decayed_state_route_same_bits(narrow, monkeypatch):
 
 
 @pytest.mark.parametrize("gate, l2, pad, in_place", [("softplus", True, 16, {"q", "k", "v", "g"}),
-                                                     ("pre", False, 16, {"v", "g"}), ("safe", True, 3, set())])
+                                                     ("pre", False, 16, {"q", "k", "v", "g"}),
+                                                     ("safe", True, 3, set())])
 def test_views_of_a_wider_projection(gate, l2, pad, in_place):
-    """q, k, v and g as views of wider projections: g and v are read in place (the gate and WY kernels take their
-    row strides), q and k too with the L2 norm in the kernel (only its kernels read them); every operand whose row
-    stride is not a multiple of 16 elements is copied; o, the final state and every gradient (dg through the view
+    """q, k, v and g as views of wider projections are read in place (every kernel that reads them takes their row
+    strides), with the L2 norm in the kernel or without; every operand whose row stride is not a multiple of 16
+    elements is copied; o, the final state and every gradient (dg through the view
     included) equal the contiguous operands' bits. bf16 raw gate, fp32 log decay."""
     inp = demo_mod.make_inputs([1, 63, 65, 0, 20], 1, 2, 16, 32, "cpu", gate=gate, trans=True, seed=7,
                                gate_dtype=torch.bfloat16)

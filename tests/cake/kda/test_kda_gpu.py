@@ -181,10 +181,11 @@ def test_batch_without_cu_seqlens_no_l2():
         demo_mod.check_budget(n, got[n], ref, BUDGETS[n])  # within budget, and the budget rejects a 2 % error
 
 
-def test_views_of_a_wider_projection_read_in_place():
-    """q, k, v, g as views of wider projections at K = V = 128 (safe gate, bf16 raw gate): all four read in place;
-    every output and gradient equal to contiguous operands' bits."""
+@pytest.mark.parametrize("l2", [True, False])
+def test_views_of_a_wider_projection_read_in_place(l2):
+    """q, k, v, g as views of wider projections at K = V = 128 (safe gate, bf16 raw gate), with the L2 norm in the
+    kernel and without: all four read in place; every output and gradient equal to contiguous operands' bits."""
     inp = demo_mod.make_inputs([40, 300, 64, 1], 2, 4, K, V, "cuda", gate="safe", trans=True, seed=9,
-                               gate_dtype=torch.bfloat16)
-    delta_rule.assert_views_read_in_place("kda", demo_mod.run_impl, inp, kda.chunk_kda, ("q", "k", "v", "g"), True,
+                               gate_dtype=torch.bfloat16, l2=l2)
+    delta_rule.assert_views_read_in_place("kda", demo_mod.run_impl, inp, kda.chunk_kda, ("q", "k", "v", "g"), l2,
                                           {"q", "k", "v", "g"})

@@ -42,13 +42,11 @@ def _int32_rows(r: torch.Tensor) -> bool:
 
 
 def qkv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str, use_l2: bool) -> tuple:
-    """q, k, v as the kernels read them. v: rows (`token_rows`: a view of a wider projection in place; the WY
-    kernels take its row stride and index in int32). q, k: with the L2 norm in the kernel only its forward and
-    backward read them, and they take the token stride (`token_rows`); otherwise contiguous."""
-    vr = token_rows(v, op, "v", int32_offsets=True)
-    if use_l2:
-        return token_rows(q, op, "q"), token_rows(k, op, "k"), vr
-    return dense(q, op, "q"), dense(k, op, "k"), vr
+    """q, k, v as rows (`token_rows`: a view of a wider projection in place) for the kernels, which take their row
+    strides. With the L2 norm in the kernel only its forward and backward read q and k (64-bit offsets); otherwise
+    the chunk kernels, which index in int32, as they do v."""
+    return (token_rows(q, op, "q", int32_offsets=not use_l2), token_rows(k, op, "k", int32_offsets=not use_l2),
+            token_rows(v, op, "v", int32_offsets=True))
 
 
 def row_stride(x: torch.Tensor) -> int:

@@ -77,9 +77,9 @@ def _chunk_gc(gc, rows, eos, hv, HV):
 
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _prep_rows(k, g, beta, gc, rows, m, off, hk, hv, H, HV, K: tl.constexpr):
+def _prep_rows(k, g, beta, gc, rows, m, off, hk, hv, SK, HV, K: tl.constexpr):
     o_k = tl.arange(0, K)
-    b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
+    b_k = tl.load(k + rows[:, None] * SK + hk * K + o_k[None, :], mask=m[:, None], other=0.)
     b_g = tl.load(g + rows * HV + hv, mask=m, other=0.).to(tl.float32)
     b_g = tl.where(b_g < G_FLOOR, G_FLOOR, b_g)
     # padding rows (g = 0) carry the chunk's last G: no exp below sees a positive difference
@@ -103,7 +103,7 @@ def _l_block(ka, kb, ga, gb, ba, DIAG: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_prep_kernel(k, g, beta, se, table, gc, A, H, HV, K: tl.constexpr, BT: tl.constexpr,
+def fwd_prep_kernel(k, g, beta, se, table, gc, A, SK, H, HV, K: tl.constexpr, BT: tl.constexpr,
                     INTERPRET: tl.constexpr):
     """Per chunk: gc = in-chunk cumsum of g; A = (I + L)^-1, in 16 x 16 blocks."""
     p, _ik, hv, n, ic, bos, eos = _chunk_of(table, se, 1)
@@ -119,10 +119,10 @@ def fwd_prep_kernel(k, g, beta, se, table, gc, A, H, HV, K: tl.constexpr, BT: tl
     m1 = r1 < eos
     m2 = r2 < eos
     m3 = r3 < eos
-    k0, g0, b0, off = _prep_rows(k, g, beta, gc, r0, m0, 0., hk, hv, H, HV, K)
-    k1, g1, b1, off = _prep_rows(k, g, beta, gc, r1, m1, off, hk, hv, H, HV, K)
-    k2, g2, b2, off = _prep_rows(k, g, beta, gc, r2, m2, off, hk, hv, H, HV, K)
-    k3, g3, b3, off = _prep_rows(k, g, beta, gc, r3, m3, off, hk, hv, H, HV, K)
+    k0, g0, b0, off = _prep_rows(k, g, beta, gc, r0, m0, 0., hk, hv, SK, HV, K)
+    k1, g1, b1, off = _prep_rows(k, g, beta, gc, r1, m1, off, hk, hv, SK, HV, K)
+    k2, g2, b2, off = _prep_rows(k, g, beta, gc, r2, m2, off, hk, hv, SK, HV, K)
+    k3, g3, b3, off = _prep_rows(k, g, beta, gc, r3, m3, off, hk, hv, SK, HV, K)
 
     L00 = _l_block(k0, k0, g0, g0, b0, True, INTERPRET)
     L11 = _l_block(k1, k1, g1, g1, b1, True, INTERPRET)
@@ -208,9 +208,10 @@ def fwd_prep_kernel(k, g, beta, se, table, gc, A, H, HV, K: tl.constexpr, BT: tl
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, SV, H, HV, K: tl.constexpr, V: tl.constexpr,
+def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, SK, SV, H, HV, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, INTERPRET: tl.constexpr):
-    """w = A (beta exp(G) k), u = A (beta v) per chunk. SV: v's row stride (elements between tokens)."""
+    """w = A (beta exp(G) k), u = A (beta v) per chunk. SK, SV: k's and v's row strides (elements between
+    tokens)."""
     p, ik, hv, n, ic, bos, eos = _chunk_of(table, se, 1)
     if n < 0:
         return
@@ -219,7 +220,7 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, SV, H, HV, K: tl.constexpr
     b_A = tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.)
     b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
-    b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
+    b_k = tl.load(k + rows[:, None] * SK + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
     # A is lower triangular: a non-finite row of X or Y is zeroed for the product, and the rows of w / u from it on
     # are NaN (`_causal_store`)
     b_x = b_k * (b_b * tl.exp(b_gc))[:, None]
@@ -229,7 +230,7 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, SV, H, HV, K: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, SK, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr,
                  VU: tl.constexpr, INTERPRET: tl.constexpr):
     """The inter-chunk state recurrence of one sequence and value head (a BV-wide slice of V). STORE_H off: only
@@ -260,7 +261,7 @@ def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.c
         g_last = tl.load(gc + last * HV + hv)
         b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
         fac = tl.where(m, tl.exp(g_last - b_gc), 0.)
-        b_kt = tl.load(k + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
+        b_kt = tl.load(k + rows[None, :] * SK + hk * K + o_k[:, None], mask=m[None, :], other=0.)
         b_kt = _rnd((b_kt.to(tl.float32) * fac[None, :]), DT, INTERPRET)
         b_h = b_h * tl.exp(g_last) + _dot(b_kt, b_vn, INTERPRET)
     if STORE_HT:
@@ -268,7 +269,7 @@ def fwd_h_kernel(k, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.c
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_o_kernel(q, k, vn, gc, h, se, table, o, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+def fwd_o_kernel(q, k, vn, gc, h, se, table, o, scale, SQ, SK, H, HV, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, INTERPRET: tl.constexpr):
     """o = scale (exp(G) q) h + scale tril(q k^T * D) dlt per chunk."""
     p, ik, hv, n, ic, bos, eos = _chunk_of(table, se, 1)
@@ -276,8 +277,8 @@ def fwd_o_kernel(q, k, vn, gc, h, se, table, o, scale, H, HV, K: tl.constexpr, V
         return
     hk, o_t, o_k, o_v, t0, rows, m = common._chunk_rows(hv, ik, ic, bos, eos, H, HV, K, V, BT)
     DT = q.dtype.element_ty
-    b_q = tl.load(q + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
-    b_kt = tl.load(k + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
+    b_q = tl.load(q + rows[:, None] * SQ + hk * K + o_k[None, :], mask=m[:, None], other=0.)
+    b_kt = tl.load(k + rows[None, :] * SK + hk * K + o_k[:, None], mask=m[None, :], other=0.)
     b_gc = _chunk_gc(gc, rows, eos, hv, HV)
     b_h = tl.load(h + (p.to(tl.int64) * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :])
     b_o = _dot(b_q, b_h, INTERPRET) * (tl.exp(b_gc) * scale)[:, None]
@@ -296,7 +297,7 @@ def fwd_o_kernel(q, k, vn, gc, h, se, table, o, scale, H, HV, K: tl.constexpr, V
 
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dvl_kernel(q, k, do, gc, se, table, dvl, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+def bwd_dvl_kernel(q, k, do, gc, se, table, dvl, scale, SQ, SK, H, HV, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, INTERPRET: tl.constexpr):
     """The in-chunk part of d(dlt): scale tril(q k^T * D)^T do (computed transposed, from k q^T)."""
     p, ik, hv, n, ic, bos, eos = _chunk_of(table, se, 1)
@@ -304,8 +305,8 @@ def bwd_dvl_kernel(q, k, do, gc, se, table, dvl, scale, H, HV, K: tl.constexpr, 
         return
     hk, o_t, o_k, o_v, t0, rows, m = common._chunk_rows(hv, ik, ic, bos, eos, H, HV, K, V, BT)
     DT = q.dtype.element_ty
-    b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
-    b_qt = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
+    b_k = tl.load(k + rows[:, None] * SK + hk * K + o_k[None, :], mask=m[:, None], other=0.)
+    b_qt = tl.load(q + rows[None, :] * SQ + hk * K + o_k[:, None], mask=m[None, :], other=0.)
     b_gc = _chunk_gc(gc, rows, eos, hv, HV)
     b_st = _dot(b_k, b_qt, INTERPRET)  # [j, i]
     msk = o_t[None, :] >= o_t[:, None]
@@ -317,7 +318,7 @@ def bwd_dvl_kernel(q, k, do, gc, se, table, dvl, scale, H, HV, K: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, SQ, SK, H, HV, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                   STORE_DHE: tl.constexpr, INTERPRET: tl.constexpr):
     """Reverse state recurrence: dhe[slot] = d(state at the chunk end); dd = full d(dlt) (dvl, its in-chunk part
@@ -340,9 +341,9 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: 
         g_last = tl.load(gc + last * HV + hv)
         b_gc = tl.load(gc + rows * HV + hv, mask=m, other=0.)
         fac = tl.where(m, tl.exp(g_last - b_gc), 0.)
-        b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
+        b_k = tl.load(k + rows[:, None] * SK + hk * K + o_k[None, :], mask=m[:, None], other=0.)
         b_kd = _rnd((b_k.to(tl.float32) * fac[:, None]), DT, INTERPRET)
-        b_qr = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)  # q^T
+        b_qr = tl.load(q + rows[None, :] * SQ + hk * K + o_k[:, None], mask=m[None, :], other=0.)  # q^T
         b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
         b_dvl = tl.load(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None],
                         other=0.).to(tl.float32)
@@ -358,7 +359,7 @@ def bwd_dh_kernel(q, k, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: 
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, scale, H, HV, K: tl.constexpr,
+def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, scale, SQ, SK, H, HV, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PHASE: tl.constexpr, NPART: tl.constexpr,
                     SLOT0: tl.constexpr, DSLOT0: tl.constexpr, INTERPRET: tl.constexpr):
     """Per chunk and BK-wide slice of K: dq, dk (through o and the state update), dw = -dd h^T and the slice's part
@@ -378,7 +379,8 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
         return
     hk, o_t, o_k, o_v, t0, rows, m = common._chunk_rows(hv, ik, ic, bos, eos, H, HV, BK, V, BT)
     DT = q.dtype.element_ty
-    qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
+    q_off = rows[:, None] * SQ + hk * K + o_k[None, :]
+    k_off = rows[:, None] * SK + hk * K + o_k[None, :]
     v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
     vt_off = rows[None, :] * (HV * V) + hv * V + o_v[:, None]
     st_t = (p.to(tl.int64) * HV + hv) * (K * V) + o_k[None, :] * V + o_v[:, None]  # [V, BK] view of a state
@@ -399,16 +401,16 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
         b_dp = _dot(b_do, b_vnt, INTERPRET)
         diag = _rnd(tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_dp, 0.), 1) * scale, DT, INTERPRET)
         b_dp = tl.where(msk, b_dp * tl.exp(tl.where(msk, b_gc[:, None] - b_gc[None, :], 0.)), 0.) * scale
-        b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
+        b_k = tl.load(k + k_off, mask=m[:, None], other=0.)
         b_dq += _dot(_rnd(b_dp, DT, INTERPRET), b_k, INTERPRET)
-        b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
+        b_q = tl.load(q + q_off, mask=m[:, None], other=0.)
         b_dg += tl.sum(b_dq * b_q.to(tl.float32), 1)
         b_dq += diag[:, None] * b_k.to(tl.float32)
         tl.store(dq + out_k, _rnd(b_dq, dq.dtype.element_ty, INTERPRET), mask=m[:, None])
     if PHASE != 1:
         if PHASE == 2:
-            b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
-            b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
+            b_k = tl.load(k + k_off, mask=m[:, None], other=0.)
+            b_q = tl.load(q + q_off, mask=m[:, None], other=0.)
         g_last = tl.load(gc + last * HV + hv)
         mskt = o_t[None, :] > o_t[:, None]
         b_vn = tl.load(vn + v_off, mask=m[:, None], other=0.)
@@ -435,7 +437,7 @@ def bwd_dqkw_kernel(q, k, vn, do, dd, gc, h, dhe, se, table, dq, dk, dw, dgp, sc
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, se, table, dk, dko, dgp, dv, dbeta, dg, SV, H, HV, K: tl.constexpr,
+def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, se, table, dk, dko, dgp, dv, dbeta, dg, SK, SV, H, HV, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr, ND: tl.constexpr, INTERPRET: tl.constexpr):
     """Backward through w = A X, u = A Y and A = (I + L)^-1; finishes dk, dv, dbeta and dg (reverse cumsum).
     dko = dk + this kernel's dk (dko may be dk). dgp holds NK partial dG sums per row (added in order), then ND
@@ -448,7 +450,7 @@ def bwd_wy_kernel(k, v, beta, gc, A, dw, dd, se, table, dk, dko, dgp, dv, dbeta,
         return
     hk, o_t, o_k, o_v, t0, rows, m = common._chunk_rows(hv, ik, ic, bos, eos, H, HV, K, V, BT)
     DT = k.dtype.element_ty
-    k_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
+    k_off = rows[:, None] * SK + hk * K + o_k[None, :]
     v_off = rows[:, None] * (HV * V) + hv * V + o_v[None, :]
     w_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
 

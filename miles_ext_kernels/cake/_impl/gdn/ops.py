@@ -75,8 +75,8 @@ def _operands(q, k, v, use_l2: bool) -> tuple:
 # launchers (no autograd)
 def _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, want_ht, device, dt, ws_prefix, store_h=True, out=None):
     """Run the state recurrence; returns (h, vn, ht). store_h off: the final state only (h, vn empty); `out`: the
-    (h, vn) to store into."""
-    T = kk.shape[0] * kk.shape[1]
+    (h, vn) to store into. kk: [B, T, H, K] or rows (`core.token_rows`)."""
+    T = gc.shape[0]
     if not store_h:
         h = vn = _empty0(device, dt)
     elif out is not None:
@@ -88,17 +88,19 @@ def _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, want_ht, device, dt
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if want_ht else _empty0(device)
     cname, BV = _state_cfg(tab, "h", V, N * HV)
     launch(kn.fwd_h_kernel, (N * HV, V // BV), k=kk, w=w, u=u, gc=gc, se=se, h0=h0 if h0 is not None else gc, h=h,
-           vn=vn, ht=ht if want_ht else gc, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None,
+           vn=vn, ht=ht if want_ht else gc, SK=core.row_stride(kk), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV,
+           USE_H0=h0 is not None,
            STORE_HT=want_ht, STORE_H=store_h, VU=u.shape[-1], INTERPRET=INTERPRET, **_cfg(tab, cname))
     return h, vn, ht
 
 
 def _wu(tab, kk, v, beta, gc, A, se, table, H, HV, K, V, P, device, dt, ws: bool, ws_u: bool = True):
-    T = kk.shape[0] * kk.shape[1]
+    T = gc.shape[0]
     w = _ws("w", (T, HV, K), dt, device, own=not ws)
     u = _ws("u", (T, HV, V), dt, device, own=not ws_u)
     launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=beta, gc=gc, A=A, se=se, table=table, w=w, u=u,
-           SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
+           SK=core.row_stride(kk), SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET,
+           **_cfg(tab, "wu"))
     return w, u
 
 
@@ -125,14 +127,15 @@ def forward_stage(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
         qn, kk = core.l2norm(q, k, (B, T, H, K), _rows_cfg(tab, "l2norm"))
     else:
         qn, kk = q, k
+    sqk = dict(SQ=core.row_stride(qn), SK=core.row_stride(kk))  # rows of a wider projection without the L2 norm
     N, P, table, se = core.chunk_setup(OP, cu_seqlens, B, T, device)
     gf = _c(g.to(torch.float32), "g")
     bf = _c(beta.to(torch.float32), "beta")
     h0 = _c(initial_state.to(torch.float32), "initial_state") if initial_state is not None else None
     gc = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     A = torch.empty(Tt, HV, BT, dtype=dt, device=device)
-    launch(kn.fwd_prep_kernel, (P, HV), k=kk, g=gf, beta=bf, se=se, table=table, gc=gc, A=A, H=H, HV=HV, K=K, BT=BT,
-           INTERPRET=INTERPRET, **_cfg(tab, "prep"))
+    launch(kn.fwd_prep_kernel, (P, HV), k=kk, g=gf, beta=bf, se=se, table=table, gc=gc, A=A, SK=sqk["SK"], H=H,
+           HV=HV, K=K, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "prep"))
     # under CP, w and u outlive the exchange (other ranks' stages may run in between): no scratch
     w, u = _wu(tab, kk, v, bf, gc, A, se, table, H, HV, K, V, P, device, dt, ws=not keep_state and cp is None,
                ws_u=cp is None)
@@ -151,7 +154,7 @@ def forward_stage(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
                            ws_prefix=None if keep_state else "f_", out=out)
     o = torch.empty(B, T, HV, V, dtype=dt, device=device)
     launch(kn.fwd_o_kernel, (P, HV), q=qn, k=kk, vn=vn, gc=gc, h=h, se=se, table=table, o=o, scale=float(scale),
-           H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "o"))
+           **sqk, H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "o"))
     if not keep_state:
         w, h, vn = _empty0(device, dt), _empty0(device, dt), _empty0(device, dt)
     if not use_l2:
@@ -182,6 +185,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
     N, P = se.shape[0], table.shape[0]
     if not use_l2:
         qn, kk = q, k
+    sqk = dict(SQ=core.row_stride(qn), SK=core.row_stride(kk))
     bf = _c(beta.to(torch.float32), "beta")
     if do is None:
         do = torch.zeros(B, T, HV, V, dtype=dt, device=device)
@@ -195,8 +199,8 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
                               ws_prefix="b_" if cp is None else None)
     grid = (P, HV)
     dvl = _ws("dvl", (Tt, HV, V), dt, device, own=cp is not None)
-    launch(kn.bwd_dvl_kernel, grid, q=qn, k=kk, do=do, gc=gc, se=se, table=table, dvl=dvl, scale=float(scale), H=H,
-           HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
+    launch(kn.bwd_dvl_kernel, grid, q=qn, k=kk, do=do, gc=gc, se=se, table=table, dvl=dvl, scale=float(scale), **sqk,
+           H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "dvl"))
 
     # under CP, a document's last piece runs its reverse pass before the exchange (other ranks' stages may run in
     # between): no scratch for what it stores
@@ -209,7 +213,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
         cname, BV = _state_cfg(tab, "dh", V, n * HV)
         launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
                dht=dht_x if dht_x is not None else gc, dh0=dh0 if want_dh0 else gc, dhe=dhe, dd=dd,
-               scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dht_x is not None,
+               scale=float(scale), **sqk, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dht_x is not None,
                STORE_DH0=want_dh0, STORE_DHE=store, INTERPRET=INTERPRET, **_cfg(tab, cname))
         return dhe, dd, dh0
 
@@ -228,16 +232,16 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
     dgp = _ws("dgp", (Tt, HV, NP + ND), torch.float32, device)
     for phase, BK, slot0, dslot0 in launches:
         launch(kn.bwd_dqkw_kernel, (P * (K // BK), HV), q=qn, k=kk, vn=vn, do=do, dd=dd, gc=gc, h=h, dhe=dhe, se=se,
-               table=table, dq=dqv, dk=dkv, dw=dw, dgp=dgp, scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
-               PHASE=phase, NPART=NP + ND, SLOT0=slot0, DSLOT0=NP + dslot0, INTERPRET=INTERPRET,
+               table=table, dq=dqv, dk=dkv, dw=dw, dgp=dgp, scale=float(scale), **sqk, H=H, HV=HV, K=K, V=V, BT=BT,
+               BK=BK, PHASE=phase, NPART=NP + ND, SLOT0=slot0, DSLOT0=NP + dslot0, INTERPRET=INTERPRET,
                **_dqkw_cfg(tab, phase))
     dkf = dkv if pdt == kdt else _ws("dkf", (Tt, HV, K), pdt, device)
     dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=device)
     dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     dgf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     launch(kn.bwd_wy_kernel, grid, k=kk, v=v, beta=bf, gc=gc, A=A, dw=dw, dd=dd, se=se, table=table, dk=dkv, dko=dkf,
-           dgp=dgp, dv=dv, dbeta=dbf, dg=dgf, SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, NK=NP, ND=ND,
-           INTERPRET=INTERPRET, **_cfg(tab, "wy"))
+           dgp=dgp, dv=dv, dbeta=dbf, dg=dgf, SK=sqk["SK"], SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, NK=NP,
+           ND=ND, INTERPRET=INTERPRET, **_cfg(tab, "wy"))
     dq = torch.empty(B, T, H, K, dtype=q.dtype, device=device)
     dk = torch.empty(B, T, H, K, dtype=k.dtype, device=device)
     core.key_head_sums(((q, dqv, dq), (k, dkf, dk)), Tt, H, HV, K, use_l2, _rows_cfg(tab, "final"))

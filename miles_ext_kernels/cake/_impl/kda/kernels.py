@@ -42,8 +42,9 @@ A log decay below G_FLOOR (-128) reads as G_FLOOR, as in gdn (exp(-128) is 0 in 
 finite result).
 
 Layouts (rows are tokens of the packed sequence): q, k [T, H, K]; v [T, HV, V]; g (log decay, or the raw gate) [T, HV,
-K]; beta [T, HV] fp32; gc [T, HV, K] fp32; A, Aqk [T, HV, BT] (L, dAqk, dL: the same, fp32); w [T, HV, K]; u, dlt [T,
-HV, V]; chunk states h [P, HV, K, V] with one slot per chunk (slot = bos[n] // BT + n + chunk index); `table`, `se` from
+K] (these four with row strides SQ, SK, SV, SG: views of a wider projection, heads packed within a row); beta [T, HV]
+fp32; gc [T, HV, K] fp32; A, Aqk [T, HV, BT] (L, dAqk, dL: the same, fp32); w [T, HV, K]; u, dlt [T, HV, V]; chunk
+states h [P, HV, K, V] with one slot per chunk (slot = bos[n] // BT + n + chunk index); `table`, `se` from
 `_runtime.varlen.chunk_table` (every kernel reads the clamped `se`, never cu_seqlens). Initial / final states [N, HV, K,
 V], or [N, HV, V, K] with TRANS_STATE (read and written through transposed offsets, no tl.trans).
 
@@ -248,7 +249,7 @@ def fwd_gate_kernel(g, A_log, dt_bias, se, table, gc, lower_bound, SG, H, HV, K:
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.constexpr, BT: tl.constexpr,
+def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, SQ, SK, H, HV, K: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, INTERPRET: tl.constexpr):
     """Per chunk and 16-row sub-block i: its rows of Aqk (stored) and of L (fp32, into Ls for fwd_inv_kernel), by
     sub-blocks (module docstring): the earlier rows in one product, (q_i, k_i * exp(G_i - G_r)) times
@@ -273,8 +274,8 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.con
     DT = k.dtype.element_ty
     o = tl.arange(0, 16)
     o_t = tl.arange(0, BT)
-    qb = q + t0 * (H * K) + hk * K
-    kb = k + t0 * (H * K) + hk * K
+    qb = q + t0 * SQ + hk * K
+    kb = k + t0 * SK + hk * K
     gcb = gc + t0 * (HV * K) + hv * K
     r = r0 + o
     m = r < nr
@@ -285,12 +286,12 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.con
     dk = tl.zeros([16, 16], dtype=tl.float32)
     for ks in range(0, K // BK):
         o_k = ks * BK + tl.arange(0, BK)
-        b_q = _rows(qb, nr, r0, H * K, o_k, 16, False)
-        b_k = _rows(kb, nr, r0, H * K, o_k, 16, False)
+        b_q = _rows(qb, nr, r0, SQ, o_k, 16, False)
+        b_k = _rows(kb, nr, r0, SK, o_k, 16, False)
         b_g = _rows(gcb, nr, r0, HV * K, o_k, 16, True)
         gn = tl.load(gcb + r0 * (HV * K) + o_k)
         e = tl.exp(b_g - gn[None, :])
-        ka = tl.load(kb + o_t[:, None] * (H * K) + o_k[None, :], mask=before, other=0.).to(tl.float32)
+        ka = tl.load(kb + o_t[:, None] * SK + o_k[None, :], mask=before, other=0.).to(tl.float32)
         ga = tl.load(gcb + o_t[:, None] * (HV * K) + o_k[None, :], mask=before, other=0.)  # rows < r0 < nr
         # selected after the product: the rows from r on (exp of a positive difference) never count
         kgt = tl.trans(tl.where(before, ka * tl.exp(gn[None, :] - ga), 0.))
@@ -306,7 +307,7 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, H, HV, K: tl.con
         dk += tl.where(diag_ok, _xdot(b_k * em, kdt, DT, INTERPRET), 0.)
         for j in range(0, tl.where(diag_ok, 0, 16)):
             rc = tl.minimum(r0 + j, nr - 1)
-            kj = tl.where(r0 + j < nr, tl.load(kb + rc * (H * K) + o_k).to(tl.float32), 0.)
+            kj = tl.where(r0 + j < nr, tl.load(kb + rc * SK + o_k).to(tl.float32), 0.)
             gj = tl.load(gcb + rc * (HV * K) + o_k)
             # masked after the product: a non-finite k_j must not reach the rows before it
             kje = tl.where((o >= j)[:, None], tl.exp(b_g - gj[None, :]) * kj[None, :], 0.)
@@ -389,9 +390,10 @@ def fwd_inv_kernel(Ls, se, table, A, HV, BT: tl.constexpr, TC: tl.constexpr, INT
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, SV, H, HV, K: tl.constexpr, V: tl.constexpr,
+def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, SK, SV, H, HV, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, INTERPRET: tl.constexpr):
-    """w = A (beta exp(G) * k), u = A (beta v) per chunk. SV: v's row stride (elements between tokens)."""
+    """w = A (beta exp(G) * k), u = A (beta v) per chunk. SK, SV: k's and v's row strides (elements between
+    tokens)."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.load(table + 2 * p)
@@ -408,7 +410,7 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, SV, H, HV, K: tl.constexpr
     b_A = tl.load(A + rows[:, None] * (HV * BT) + hv * BT + o_t[None, :], mask=m[:, None], other=0.)
     b_gc = tl.load(gc + rows[:, None] * (HV * K) + hv * K + o_k[None, :], mask=m[:, None], other=0.)
     b_b = tl.load(beta + rows * HV + hv, mask=m, other=0.).to(tl.float32)
-    b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
+    b_k = tl.load(k + rows[:, None] * SK + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
     # A is lower triangular: a non-finite row of X or Y is zeroed for the product, and the rows of w / u from it on
     # are NaN (`_causal_store`)
     b_x = b_k * (b_b[:, None] * tl.exp(b_gc))
@@ -418,8 +420,8 @@ def fwd_wu_kernel(k, v, beta, gc, A, se, table, w, u, SV, H, HV, K: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def decayed_kernel(q, k, gc, se, table, kd, qg, scale, H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                   WITH_Q: tl.constexpr, INTERPRET: tl.constexpr):
+def decayed_kernel(q, k, gc, se, table, kd, qg, scale, SQ, SK, H, HV, K: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, WITH_Q: tl.constexpr, INTERPRET: tl.constexpr):
     """Per chunk, the state kernels' decay-weighted operands, for their DECAYED route: kd = k * exp(G_last - G) and
     (WITH_Q) qg = q * exp(G) * scale, both rounded to the run's dtype, [T, HV, K] (0 past the document's end): the
     same values, bit for bit, that fwd_h_kernel and bwd_dh_kernel otherwise form per chunk on their sequential path
@@ -440,20 +442,19 @@ def decayed_kernel(q, k, gc, se, table, kd, qg, scale, H, HV, K: tl.constexpr, B
     for ks in range(0, K // BK):
         o_k = ks * BK + tl.arange(0, BK)
         g_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-        qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
         g_last = tl.load(gc + last * (HV * K) + hv * K + o_k)
         b_g = tl.load(gc + g_off, mask=m[:, None], other=0.)
         fac = tl.where(m[:, None], tl.exp(g_last[None, :] - b_g), 0.)
-        b_k = tl.load(k + qk_off, mask=m[:, None], other=0.)
+        b_k = tl.load(k + rows[:, None] * SK + hk * K + o_k[None, :], mask=m[:, None], other=0.)
         tl.store(kd + g_off, _rnd((b_k.to(tl.float32) * fac), DT, INTERPRET), mask=m[:, None])
         if WITH_Q:
-            b_q = tl.load(q + qk_off, mask=m[:, None], other=0.)
+            b_q = tl.load(q + rows[:, None] * SQ + hk * K + o_k[None, :], mask=m[:, None], other=0.)
             b_qg = _rnd((b_q.to(tl.float32) * tl.where(m[:, None], tl.exp(b_g) * scale, 0.)), DT, INTERPRET)
             tl.store(qg + g_off, b_qg, mask=m[:, None])
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_h_kernel(k, kd, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def fwd_h_kernel(k, kd, w, u, gc, se, h0, h, vn, ht, SK, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, TRANS_STATE: tl.constexpr,
                  STORE_H: tl.constexpr, VU: tl.constexpr, DECAYED: tl.constexpr, INTERPRET: tl.constexpr):
     """The inter-chunk state recurrence of one sequence and value head (a BV-wide slice of V). STORE_H off: only
@@ -488,7 +489,7 @@ def fwd_h_kernel(k, kd, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: 
         else:
             b_gct = tl.load(gc + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)  # G^T
             fac = tl.where(m[None, :], tl.exp(g_last[:, None] - b_gct), 0.)
-            b_kt = tl.load(k + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)
+            b_kt = tl.load(k + rows[None, :] * SK + hk * K + o_k[:, None], mask=m[None, :], other=0.)
             b_kt = _rnd((b_kt.to(tl.float32) * fac), DT, INTERPRET)
         b_h = b_h * tl.exp(g_last)[:, None] + _dot(b_kt, b_vn, INTERPRET)
     if STORE_HT:
@@ -496,7 +497,7 @@ def fwd_h_kernel(k, kd, w, u, gc, se, h0, h, vn, ht, H, HV, K: tl.constexpr, V: 
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def fwd_o_kernel(q, gc, Aqk, vn, h, se, table, o, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+def fwd_o_kernel(q, gc, Aqk, vn, h, se, table, o, scale, SQ, H, HV, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, BV: tl.constexpr, INTERPRET: tl.constexpr):
     """o = scale (q * exp(G)) h + Aqk dlt per chunk and BV-wide slice of V (grid axis 2)."""
     p = tl.program_id(0)
@@ -513,7 +514,7 @@ def fwd_o_kernel(q, gc, Aqk, vn, h, se, table, o, scale, H, HV, K: tl.constexpr,
     o_v = iv * BV + tl.arange(0, BV)
     rows = bos + ic * BT + o_t
     m = rows < eos
-    b_q = tl.load(q + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
+    b_q = tl.load(q + rows[:, None] * SQ + hk * K + o_k[None, :], mask=m[:, None], other=0.)
     b_gc = tl.load(gc + rows[:, None] * (HV * K) + hv * K + o_k[None, :], mask=m[:, None], other=0.)
     b_qg = _rnd((b_q.to(tl.float32) * tl.exp(b_gc)), DT, INTERPRET)
     b_h = tl.load(h + (p.to(tl.int64) * HV + hv) * (K * V) + o_k[:, None] * V + o_v[None, :])
@@ -557,7 +558,7 @@ def bwd_dvl_kernel(Aqk, do, vn, se, table, dvl, dAqk, scale, H, HV, V: tl.conste
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dh_kernel(q, k, kd, qg, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H, HV, K: tl.constexpr,
+def bwd_dh_kernel(q, k, kd, qg, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, SQ, SK, H, HV, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                   STORE_DHE: tl.constexpr, TRANS_STATE: tl.constexpr, DECAYED: tl.constexpr,
                   INTERPRET: tl.constexpr):
@@ -585,7 +586,7 @@ def bwd_dh_kernel(q, k, kd, qg, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H,
         else:
             b_gc = tl.load(gc + rows[:, None] * (HV * K) + hv * K + o_k[None, :], mask=m[:, None], other=0.)
             fac = tl.where(m[:, None], tl.exp(g_last[None, :] - b_gc), 0.)
-            b_k = tl.load(k + rows[:, None] * (H * K) + hk * K + o_k[None, :], mask=m[:, None], other=0.)
+            b_k = tl.load(k + rows[:, None] * SK + hk * K + o_k[None, :], mask=m[:, None], other=0.)
             b_kd = _rnd((b_k.to(tl.float32) * fac), DT, INTERPRET)
         b_do = tl.load(do + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None], other=0.)
         b_dvl = tl.load(dvl + rows[:, None] * (HV * V) + hv * V + o_v[None, :], mask=m[:, None],
@@ -597,7 +598,7 @@ def bwd_dh_kernel(q, k, kd, qg, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H,
         if DECAYED:
             b_qt = tl.load(qg + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)
         else:
-            b_qr = tl.load(q + rows[None, :] * (H * K) + hk * K + o_k[:, None], mask=m[None, :], other=0.)  # q^T
+            b_qr = tl.load(q + rows[None, :] * SQ + hk * K + o_k[:, None], mask=m[None, :], other=0.)  # q^T
             b_gct = tl.load(gc + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)  # G^T
             b_qt = _rnd((b_qr.to(tl.float32) * tl.where(m[None, :], tl.exp(b_gct) * scale, 0.)), DT, INTERPRET)
         b_wt = tl.load(w + rows[None, :] * (HV * K) + hv * K + o_k[:, None], mask=m[None, :], other=0.)
@@ -607,8 +608,8 @@ def bwd_dh_kernel(q, k, kd, qg, w, do, dvl, gc, se, dht, dh0, dhe, dd, scale, H,
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, dks, dgs, dgx, dv, dbs, dL, scale, SV,
-                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, dks, dgs, dgx, dv, dbs, dL, scale, SQ,
+                     SK, SV, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      INTERPRET: tl.constexpr):
     """Per chunk, every backward product that is a plain matmul: through o's state term (dq), the state update
     (dk's state term, the chunk-end decay), w = A X and u = A Y (dX, dY: dk, dbeta, dv, dA), and dL = -A^T dA A^T
@@ -646,14 +647,13 @@ def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, d
     for ks in range(0, K // BK):
         o_k = ks * BK + tl.arange(0, BK)
         k_off = rows[:, None] * (HV * K) + hv * K + o_k[None, :]
-        qk_off = rows[:, None] * (H * K) + hk * K + o_k[None, :]
         st_t = (p.to(tl.int64) * HV + hv) * (K * V) + o_k[None, :] * V + o_v[:, None]  # [V, BK] view of a state
         b_g = tl.load(gc + tl.minimum(rows, eos - 1)[:, None] * (HV * K) + hv * K + o_k[None, :])
         eg = tl.exp(b_g)
         g_last = tl.load(gc + last * (HV * K) + hv * K + o_k)
         fac = tl.where(m[:, None], tl.exp(g_last[None, :] - b_g), 0.)
-        b_q = tl.load(q + qk_off, mask=m[:, None], other=0.).to(tl.float32)
-        b_k = tl.load(k + qk_off, mask=m[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + rows[:, None] * SQ + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
+        b_k = tl.load(k + rows[:, None] * SK + hk * K + o_k[None, :], mask=m[:, None], other=0.).to(tl.float32)
         b_ht = tl.load(h + st_t)
         b_dhet = tl.load(dhe + st_t)
         b_dq = _dot(b_do, b_ht, INTERPRET) * (eg * scale)
@@ -686,8 +686,8 @@ def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, d
 
 
 @triton.jit(do_not_specialize=["TT", "H", "HV"])
-def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp, dGi, TT, H, HV, K: tl.constexpr,
-                     BT: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp, dGi, TT, SQ, SK, H, HV,
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
     """Per chunk, BK-wide key slice and 16-row sub-block, the decay-weighted in-chunk products of the backward
     (module docstring), of M = dAqk (Aqk_ij = scale sum_d q_id k_jd Gam_ij,d, j <= i) and M = dL
     (L_ij = beta_i sum_d k_id k_jd Gam_ij,d, j < i):
@@ -720,8 +720,8 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     hk = hv // (HV // H)
     o = tl.arange(0, 16)
     # one 64-bit base per tensor and 32-bit in-chunk offsets (a tile of 64-bit pointers costs twice the registers)
-    qb = q + t0 * (H * K) + hk * K
-    kb = k + t0 * (H * K) + hk * K
+    qb = q + t0 * SQ + hk * K
+    kb = k + t0 * SK + hk * K
     gcb = gc + t0 * (HV * K) + hv * K
     bb = beta + t0 * HV + hv
     mqb = dAqk + t0 * (HV * BT) + hv * BT
@@ -738,11 +738,11 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     # interleaved and spilled, bench/NOTES.md kda v5.1)
     for ks1 in range(ks, ks + 1):
         _intra_slice(ks1, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, b_b, mq, ml,
-                     mqt, mlt, TT, H, HV, K, BT, BK, k.dtype.element_ty, INTERPRET)
+                     mqt, mlt, TT, SQ, SK, HV, K, BT, BK, k.dtype.element_ty, INTERPRET)
 
 
 @triton.jit
-def _intra_blocks(qb, kb, gcb, bb, mqb, mlb, r0, nr, gn, gl, o_k, H, HV, K: tl.constexpr, BT: tl.constexpr,
+def _intra_blocks(qb, kb, gcb, bb, mqb, mlb, r0, nr, gn, gl, o_k, SQ, SK, HV, K: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """The off-diagonal part of bwd_intra_kernel's products for sub-block r0 in one key slice, one [16, 16] x
     [16, BK] product per other sub-block of the document and M: rows R^qk, R^L over each earlier sub-block c
@@ -756,15 +756,15 @@ def _intra_blocks(qb, kb, gcb, bb, mqb, mlb, r0, nr, gn, gl, o_k, H, HV, K: tl.c
     cq = tl.zeros([16, BK], dtype=tl.float32)
     cl = tl.zeros([16, BK], dtype=tl.float32)
     for c0 in range(0, r0, 16):
-        kc = _rows(kb, nr, c0, H * K, o_k, 16, False)
+        kc = _rows(kb, nr, c0, SK, o_k, 16, False)
         kg = kc * tl.exp(gn[None, :] - _rows(gcb, nr, c0, HV * K, o_k, 16, True))
         rq += _tdot(_mblk(mqb, nr, r0, c0, BT, HV * BT, False), kg, DT, INTERPRET)
         rl += _tdot(_mblk(mlb, nr, r0, c0, BT, HV * BT, False), kg, DT, INTERPRET)
     for c0 in range(r0 + 16, nr, 16):
         rc = c0 + o
         mc = rc < nr
-        qc = _rows(qb, nr, c0, H * K, o_k, 16, False)
-        kc = _rows(kb, nr, c0, H * K, o_k, 16, False)
+        qc = _rows(qb, nr, c0, SQ, o_k, 16, False)
+        kc = _rows(kb, nr, c0, SK, o_k, 16, False)
         bc = tl.load(bb + rc * HV, mask=mc, other=0.).to(tl.float32)
         el = tl.where(mc[:, None], tl.exp(_rows(gcb, nr, c0, HV * K, o_k, 16, True) - gl[None, :]), 0.)
         cq += _tdot(_mblk(mqb, nr, c0, r0, BT, HV * BT, True), qc * el, DT, INTERPRET)
@@ -774,7 +774,7 @@ def _intra_blocks(qb, kb, gcb, bb, mqb, mlb, r0, nr, gn, gl, o_k, H, HV, K: tl.c
 
 @triton.jit
 def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, b_b, mq, ml, mqt,
-                 mlt, TT, H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                 mlt, TT, SQ, SK, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
                  INTERPRET: tl.constexpr):
     """bwd_intra_kernel's work on key slice ks (mq .. mlt: the sub-block's diagonal blocks of M; DT: the run's
     dtype)."""
@@ -784,12 +784,13 @@ def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, 
     # what the end of the slice reads, issued first (its latency overlaps the products)
     p_dq = tl.load(dqs + k_off, mask=m[:, None], other=0.).to(tl.float32)
     p_dk = tl.load(dks + k_off, mask=m[:, None], other=0.).to(tl.float32)
-    b_q = _rows(qb, nr, r0, H * K, o_k, 16, False)
-    b_k = _rows(kb, nr, r0, H * K, o_k, 16, False)
+    b_q = _rows(qb, nr, r0, SQ, o_k, 16, False)
+    b_k = _rows(kb, nr, r0, SK, o_k, 16, False)
     b_g = _rows(gcb, nr, r0, HV * K, o_k, 16, True)
     gn = tl.load(gcb + r0 * (HV * K) + o_k)  # the earlier sub-blocks' reference: this one's first row
     gl = tl.load(gcb + tl.minimum(r0 + 15, nr - 1) * (HV * K) + o_k)  # the later ones': its last row
-    rq, rl, cq, cl = _intra_blocks(qb, kb, gcb, bb, mqb, mlb, r0, nr, gn, gl, o_k, H, HV, K, BT, BK, DT, INTERPRET)
+    rq, rl, cq, cl = _intra_blocks(qb, kb, gcb, bb, mqb, mlb, r0, nr, gn, gl, o_k, SQ, SK, HV, K, BT, BK, DT,
+                                   INTERPRET)
     eq = tl.exp(b_g - gn[None, :])
     ek = tl.exp(gl[None, :] - b_g)
     rq *= eq
@@ -813,8 +814,8 @@ def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, 
     for j in range(0, tl.where(diag_ok, 0, 16)):
         rc = tl.minimum(r0 + j, nr - 1)
         ok = r0 + j < nr
-        qj = tl.where(ok, tl.load(qb + rc * (H * K) + o_k).to(tl.float32), 0.)
-        kj = tl.where(ok, tl.load(kb + rc * (H * K) + o_k).to(tl.float32), 0.)
+        qj = tl.where(ok, tl.load(qb + rc * SQ + o_k).to(tl.float32), 0.)
+        kj = tl.where(ok, tl.load(kb + rc * SK + o_k).to(tl.float32), 0.)
         bj = tl.where(ok, tl.load(bb + rc * HV).to(tl.float32), 0.)
         gj = tl.load(gcb + rc * (HV * K) + o_k)
         dlt = b_g - gj[None, :]

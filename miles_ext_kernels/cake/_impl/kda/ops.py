@@ -104,17 +104,18 @@ def _decayed(tab: dict, cname: str) -> bool:
     return bool(tab[cname].get("DECAYED", False))
 
 
-def _decayed_operands(tab, qn, kk, gc, se, table, scale, with_q, own=False):
+def _decayed_operands(tab, qn, kk, gc, se, table, scale, H, with_q, own=False):
     """kd = k * exp(G_last - G) and, with_q, qg = q * exp(G) * scale ([T, HV, K] in the run's dtype) for the state
-    kernels' DECAYED route: kd alone, or (kd, qg). Scratch, or (own: under CP, whose other ranks' stages may run
-    between this launch and the last state pass that reads them) buffers of their own."""
+    kernels' DECAYED route: kd alone, or (kd, qg); qn, kk [B, T, H, K] or rows (`core.token_rows`). Scratch, or
+    (own: under CP, whose other ranks' stages may run between this launch and the last state pass that reads them)
+    buffers of their own."""
     Tt, HV, K = gc.shape
-    H = kk.shape[-2]
     kd = _ws("kd", (Tt, HV, K), kk.dtype, gc.device, own=own)
     qg = _ws("qg", (Tt, HV, K), kk.dtype, gc.device, own=own) if with_q else gc
-    launch(kn.decayed_kernel, (table.shape[0], HV), q=qn if with_q else kk, k=kk, gc=gc, se=se, table=table, kd=kd,
-           qg=qg, scale=float(scale), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["decayed"]["BK"]), WITH_Q=with_q,
-           INTERPRET=INTERPRET, **_cfg(tab, "decayed"))
+    qx = qn if with_q else kk
+    launch(kn.decayed_kernel, (table.shape[0], HV), q=qx, k=kk, gc=gc, se=se, table=table, kd=kd, qg=qg,
+           scale=float(scale), SQ=core.row_stride(qx), SK=core.row_stride(kk), H=H, HV=HV, K=K, BT=BT,
+           BK=min(K, tab["decayed"]["BK"]), WITH_Q=with_q, INTERPRET=INTERPRET, **_cfg(tab, "decayed"))
     return (kd, qg) if with_q else kd
 
 
@@ -146,6 +147,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
         qn, kk = core.l2norm(q, k, (B, T, H, K), _rows_cfg(tab, "l2norm"))
     else:
         qn, kk = q, k
+    sqk = dict(SQ=core.row_stride(qn), SK=core.row_stride(kk))  # rows of a wider projection without the L2 norm
     N, P, table, se = core.chunk_setup(OP, cu_seqlens, B, T, device)
     gd = _gate_operand(g)  # the log decay (fp32) or the raw gate (its own dtype: the prep reads it)
     bf = _c(beta.to(torch.float32), "beta")
@@ -164,7 +166,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
            **_cfg(tab, "gate"))
     Ls = _ws("Ls", (Tt, HV, BT), torch.float32, device)
     launch(kn.fwd_grams_kernel, (P * 4, HV), q=qn, k=kk, gc=gc, beta=bf, se=se, table=table, Aqk=Aqk, Ls=Ls,
-           scale=float(scale), H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["grams"]["BK"]), INTERPRET=INTERPRET,
+           scale=float(scale), **sqk, H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["grams"]["BK"]), INTERPRET=INTERPRET,
            **_cfg(tab, "grams"))
     launch(kn.fwd_inv_kernel, (P, HV), Ls=Ls, se=se, table=table, A=A, HV=HV, BT=BT, TC=tab["inv"]["TC"],
            INTERPRET=INTERPRET, **_cfg(tab, "inv"))
@@ -172,7 +174,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     # under CP, u outlives the exchange (other ranks' stages may run in between): no scratch
     u = _ws("u", (Tt, HV, V), dt, device, own=cp is not None)
     launch(kn.fwd_wu_kernel, (P, HV), k=kk, v=v, beta=bf, gc=gc, A=A, se=se, table=table, w=w, u=u,
-           SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
+           SK=sqk["SK"], SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, INTERPRET=INTERPRET, **_cfg(tab, "wu"))
 
     # the per-chunk states and dlt (kept for the backward); under CP a document's first piece fills its part before
     # the exchange
@@ -188,10 +190,11 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
         cname, BV = _state_cfg(tab, "h", VX, n * HV)
         decayed = _decayed(tab, cname)
         if decayed and not operands:
-            operands.append(_decayed_operands(tab, qn, kk, gc, se, table, scale, False, own=cp is not None))
+            operands.append(_decayed_operands(tab, qn, kk, gc, se, table, scale, H, False, own=cp is not None))
         kd = operands[0] if decayed else gc
         launch(kn.fwd_h_kernel, (n * HV, VX // BV), k=kk, kd=kd, w=w, u=u_x, gc=gc, se=se_x,
-               h0=h0_x if h0_x is not None else gc, h=h, vn=vn, ht=ht if want_ht else gc, H=H, HV=HV, K=K, V=VX,
+               h0=h0_x if h0_x is not None else gc, h=h, vn=vn, ht=ht if want_ht else gc, SK=sqk["SK"], H=H, HV=HV,
+               K=K, V=VX,
                BT=BT, BV=BV, USE_H0=h0_x is not None, STORE_HT=want_ht, TRANS_STATE=trans_state, STORE_H=store_h,
                VU=u_x.shape[-1], DECAYED=decayed, INTERPRET=INTERPRET, **_cfg(tab, cname))
         return h, vn, ht
@@ -206,7 +209,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     o = torch.empty(B, T, HV, V, dtype=dt, device=device)
     ov = core.block_v(tab, "o", V)
     launch(kn.fwd_o_kernel, (P, HV, V // ov), q=qn, gc=gc, Aqk=Aqk, vn=vn, h=h, se=se, table=table, o=o,
-           scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BV=ov, INTERPRET=INTERPRET, **_cfg(tab, "o"))
+           scale=float(scale), SQ=sqk["SQ"], H=H, HV=HV, K=K, V=V, BT=BT, BV=ov, INTERPRET=INTERPRET, **_cfg(tab, "o"))
     if not use_l2:
         qn, kk = core.empty0(device, dt), core.empty0(device, dt)
     res = (o, ht, qn, kk, gc, A, Aqk, w, h, vn, se, table)
@@ -243,6 +246,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     q, k, v = core.qkv_operands(q, k, v, OP, use_l2)
     if not use_l2:
         qn, kk = q, k
+    sqk = dict(SQ=core.row_stride(qn), SK=core.row_stride(kk))
     gd = _gate_operand(g)
     bf = _c(beta.to(torch.float32), "beta")
     if gate:
@@ -273,11 +277,11 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
         cname, BV = _state_cfg(tab, "dh", V, n * HV)
         decayed = _decayed(tab, cname)
         if decayed and not operands:
-            operands.append(_decayed_operands(tab, qn, kk, gc, se, table, scale, True, own=cp is not None))
+            operands.append(_decayed_operands(tab, qn, kk, gc, se, table, scale, H, True, own=cp is not None))
         kd, qg = operands[0] if decayed else (gc, gc)
         launch(kn.bwd_dh_kernel, (n * HV, V // BV), q=qn, k=kk, kd=kd, qg=qg, w=w, do=do, dvl=dvl, gc=gc, se=se_x,
                dht=dht_x if dht_x is not None else gc, dh0=dh0 if dh0 is not None else gc, dhe=dhe, dd=dd,
-               scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dht_x is not None,
+               scale=float(scale), **sqk, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dht_x is not None,
                STORE_DH0=dh0 is not None, STORE_DHE=store, TRANS_STATE=trans_state, DECAYED=decayed,
                INTERPRET=INTERPRET, **_cfg(tab, cname))
         return dhe, dd, dh0
@@ -300,14 +304,14 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=device)
     launch(kn.bwd_dense_kernel, grid, q=qn, k=kk, v=v, vn=vn, beta=bf, do=do, dd=dd, gc=gc, A=A, h=h, dhe=dhe, se=se,
            table=table, dqs=dqs, dks=dks, dgs=dgs, dgx=dgx, dv=dv, dbs=dbp[NK], dL=dL, scale=float(scale),
-           SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, BK=min(K, tab["dense"]["BK"]), INTERPRET=INTERPRET,
-           **_cfg(tab, "dense"))
+           **sqk, SV=core.row_stride(v), H=H, HV=HV, K=K, V=V, BT=BT, BK=min(K, tab["dense"]["BK"]),
+           INTERPRET=INTERPRET, **_cfg(tab, "dense"))
     dqv = _ws("dqv", (Tt, HV, K), pdt, device)
     dkf = _ws("dkf", (Tt, HV, K), pdt, device)
     dGi = _ws("dGi", (Tt, HV, K), torch.float32, device)
     launch(kn.bwd_intra_kernel, (P * 4 * NK, HV), q=qn, k=kk, beta=bf, gc=gc, dAqk=dAqk, dL=dL, se=se, table=table,
-           dqs=dqs, dks=dks, dq=dqv, dk=dkf, dbp=dbp, dGi=dGi, TT=Tt, H=H, HV=HV, K=K, BT=BT,
-           BK=min(K, tab["intra"]["BK"]), INTERPRET=INTERPRET, **_cfg(tab, "intra"))
+           dqs=dqs, dks=dks, dq=dqv, dk=dkf, dbp=dbp, dGi=dGi, TT=Tt, **sqk, H=H, HV=HV, K=K,
+           BT=BT, BK=min(K, tab["intra"]["BK"]), INTERPRET=INTERPRET, **_cfg(tab, "intra"))
     dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     dg = torch.empty(B, T, HV, K, dtype=g.dtype, device=device)
     part = _ws("gate_part", (P, HV * K + HV), torch.float32, device) if gate else dbf
