@@ -183,6 +183,13 @@ def _args(T=8, H=1, HV=2, K=16, V=16, N=1):
                 beta=torch.rand(1, T, HV))
 
 
+def _wide(heads, dim=None, T=2 ** 24, dtype=None):
+    """A [1, T, heads(, dim)] operand of T tokens that holds one token's memory (a zero-stride view)."""
+    shape = (1, 1, heads) if dim is None else (1, 1, heads, dim)
+    dtype = dtype or (torch.float32 if dim is None else torch.bfloat16)
+    return torch.zeros(shape, dtype=dtype).expand(1, T, *shape[2:])
+
+
 @pytest.mark.parametrize("change, exc, word", [
     (dict(q=torch.randn(1, 8, 1, 16)), TypeError, "^q must be bfloat16"),
     (dict(k=torch.randn(1, 8, 1, 16).to(torch.bfloat16)[:, :4]), ValueError, "^k must have the shape of q"),
@@ -204,6 +211,9 @@ def _args(T=8, H=1, HV=2, K=16, V=16, N=1):
     (dict(cu_seqlens=torch.tensor([0, 8], device="meta")), ValueError, "^cu_seqlens is on meta but q is on cpu"),
     (dict(initial_state=torch.zeros(1, 2, 16, 16, device="meta")), ValueError, "^initial_state is on meta"),
     (dict(output_final_state=1), TypeError, "output_final_state"),
+    # 2**24 tokens x HV 2 x 64 (the chunk): per-token buffers past 32-bit offsets (zero-stride views, no memory)
+    (dict(q=_wide(1, 16), k=_wide(1, 16), v=_wide(2, 16), g=_wide(2), beta=_wide(2)), ValueError,
+     "^q holds B \\* T = 16777216 tokens"),
 ])
 def test_bad_operands_raise_before_launch(change, exc, word, monkeypatch):
     monkeypatch.setattr(ops, "gdn_forward", lambda *a, **k: pytest.fail("launched"))

@@ -47,6 +47,13 @@ def _gated():
 
 
 BF = torch.bfloat16
+
+
+def _wide(heads, dim, T=2 ** 24, dtype=BF):
+    """A [1, T, heads, dim] operand of T tokens that holds one token's memory (a zero-stride view)."""
+    return torch.zeros(1, 1, heads, dim, dtype=dtype).expand(1, T, heads, dim)
+
+
 BAD = [
     (dict(cp_context=object()), TypeError, "cp_context"),
     (dict(q=torch.randn(1, 8, 1, 16)), TypeError, "^q must be bfloat16"),
@@ -95,6 +102,9 @@ BAD = [
      "^A_log is on meta"),
     (dict(cu_seqlens=torch.tensor([0, 8], device="meta")), ValueError, "^cu_seqlens is on meta but q is on cpu"),
     (dict(initial_state=torch.zeros(1, 2, 16, 16, device="meta")), ValueError, "^initial_state is on meta"),
+    # 2**24 tokens x HV 2 x 64 (the chunk): per-token buffers past 32-bit offsets (zero-stride views, no memory)
+    (dict(q=_wide(1, 16), k=_wide(1, 16), v=_wide(2, 16), g=_wide(2, 16, dtype=torch.float32),
+          beta=_wide(2, 1, dtype=torch.float32)[..., 0]), ValueError, r"^q holds B \* T = 16777216 tokens"),
 ]
 
 

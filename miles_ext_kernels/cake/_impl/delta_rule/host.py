@@ -86,6 +86,11 @@ def check_operands(q, k, v, g, beta, scale, *, head_dims, in_dtypes, g_dtypes, b
         raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
     if T < 1 or B < 1:
         raise ValueError(f"q must hold at least one token, got shape {tuple(q.shape)}")
+    per_token = HV * max(K, V, common.BT)  # elements of the widest per-token buffer ([T, HV, K | V | chunk])
+    if B * T * per_token >= 2 ** 31:
+        raise ValueError(f"q holds B * T = {B * T} tokens: at HV={HV}, K={K}, V={V} the per-token buffers would "
+                         f"hold {B * T * per_token} elements, past the kernels' 32-bit offsets (2**31); split the "
+                         f"call (at most {(2 ** 31 - 1) // per_token} tokens)")
     check_optional_float("scale", scale)
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
