@@ -9,11 +9,12 @@ the log-decay g, h the state at the chunk start and D_ij = exp(G_i - G_j):
     o  = scale (exp(G) q) h + scale tril(q k^T * D) dlt
     h' = exp(G_last) h + (k exp(G_last - G))^T dlt
 
-Layouts (rows are tokens of the packed sequence): q, k [T, H, K]; v [T, HV, V]; g, beta, gc [T, HV] fp32;
-A [T, HV, BT]; w [T, HV, K]; u, dlt [T, HV, V]; chunk states h [P, HV, K, V] with one slot per chunk,
-slot = bos[n] // BT + n + chunk index (P = cdiv(T, BT) + N slots bound it without a device->host sync).
-`table` [P, 2] int32 maps a slot to (sequence or -1, chunk index); `se` [N, 2] int32 holds each sequence's
-(bos, eos), cu_seqlens clamped into [0, T] by the table kernel (the only kernel that reads cu_seqlens).
+Layouts (rows are tokens of the packed sequence): q, k [T, H, K]; v [T, HV, V] (these three with row strides SQ, SK,
+SV: views of a wider projection, heads packed within a row); g, beta, gc [T, HV] fp32; A [T, HV, BT]; w [T, HV, K];
+u, dlt [T, HV, V]; chunk states h [P, HV, K, V] with one slot per chunk, slot = bos[n] // BT + n + chunk index (P =
+cdiv(T, BT) + N slots bound it without a device->host sync). `table` [P, 2] int32 maps a slot to (sequence or -1,
+chunk index); `se` [N, 2] int32 holds each sequence's (bos, eos), cu_seqlens clamped into [0, T] by the table kernel
+(the only kernel that reads cu_seqlens).
 
 Rows past a document's end are loaded as zeros, but their G as the document's last G (`_chunk_gc`, and the prep's
 cumsum of g = 0): an exp(G_i - G_j) over a pair of rows never has a positive argument, which a strong decay
