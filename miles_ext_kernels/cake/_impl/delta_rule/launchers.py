@@ -54,6 +54,12 @@ def row_stride(x: torch.Tensor) -> int:
     return x.stride(0) if x.dim() == 2 else x.shape[-2] * x.shape[-1]
 
 
+def qk_strides(qn: torch.Tensor, kk: torch.Tensor) -> dict:
+    """The chunk kernels' SQ, SK: the row strides of the q and k they read (the L2 norm's contiguous outputs, or
+    without it the operands from `qkv_operands`, views of a wider projection included)."""
+    return dict(SQ=row_stride(qn), SK=row_stride(kk))
+
+
 def empty0(device, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 

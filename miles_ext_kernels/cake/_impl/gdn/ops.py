@@ -89,8 +89,8 @@ def _fwd_state(tab, kk, w, u, gc, se, h0, N, HV, H, K, V, P, want_ht, device, dt
     cname, BV = _state_cfg(tab, "h", V, N * HV)
     launch(kn.fwd_h_kernel, (N * HV, V // BV), k=kk, w=w, u=u, gc=gc, se=se, h0=h0 if h0 is not None else gc, h=h,
            vn=vn, ht=ht if want_ht else gc, SK=core.row_stride(kk), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV,
-           USE_H0=h0 is not None,
-           STORE_HT=want_ht, STORE_H=store_h, VU=u.shape[-1], INTERPRET=INTERPRET, **_cfg(tab, cname))
+           USE_H0=h0 is not None, STORE_HT=want_ht, STORE_H=store_h, VU=u.shape[-1], INTERPRET=INTERPRET,
+           **_cfg(tab, cname))
     return h, vn, ht
 
 
@@ -127,7 +127,7 @@ def forward_stage(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
         qn, kk = core.l2norm(q, k, (B, T, H, K), _rows_cfg(tab, "l2norm"))
     else:
         qn, kk = q, k
-    sqk = dict(SQ=core.row_stride(qn), SK=core.row_stride(kk))  # rows of a wider projection without the L2 norm
+    sqk = core.qk_strides(qn, kk)
     N, P, table, se = core.chunk_setup(OP, cu_seqlens, B, T, device)
     gf = _c(g.to(torch.float32), "g")
     bf = _c(beta.to(torch.float32), "beta")
@@ -185,7 +185,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
     N, P = se.shape[0], table.shape[0]
     if not use_l2:
         qn, kk = q, k
-    sqk = dict(SQ=core.row_stride(qn), SK=core.row_stride(kk))
+    sqk = core.qk_strides(qn, kk)
     bf = _c(beta.to(torch.float32), "beta")
     if do is None:
         do = torch.zeros(B, T, HV, V, dtype=dt, device=device)

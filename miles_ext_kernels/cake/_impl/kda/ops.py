@@ -147,7 +147,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
         qn, kk = core.l2norm(q, k, (B, T, H, K), _rows_cfg(tab, "l2norm"))
     else:
         qn, kk = q, k
-    sqk = dict(SQ=core.row_stride(qn), SK=core.row_stride(kk))  # rows of a wider projection without the L2 norm
+    sqk = core.qk_strides(qn, kk)
     N, P, table, se = core.chunk_setup(OP, cu_seqlens, B, T, device)
     gd = _gate_operand(g)  # the log decay (fp32) or the raw gate (its own dtype: the prep reads it)
     bf = _c(beta.to(torch.float32), "beta")
@@ -194,9 +194,8 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
         kd = operands[0] if decayed else gc
         launch(kn.fwd_h_kernel, (n * HV, VX // BV), k=kk, kd=kd, w=w, u=u_x, gc=gc, se=se_x,
                h0=h0_x if h0_x is not None else gc, h=h, vn=vn, ht=ht if want_ht else gc, SK=sqk["SK"], H=H, HV=HV,
-               K=K, V=VX,
-               BT=BT, BV=BV, USE_H0=h0_x is not None, STORE_HT=want_ht, TRANS_STATE=trans_state, STORE_H=store_h,
-               VU=u_x.shape[-1], DECAYED=decayed, INTERPRET=INTERPRET, **_cfg(tab, cname))
+               K=K, V=VX, BT=BT, BV=BV, USE_H0=h0_x is not None, STORE_HT=want_ht, TRANS_STATE=trans_state,
+               STORE_H=store_h, VU=u_x.shape[-1], DECAYED=decayed, INTERPRET=INTERPRET, **_cfg(tab, cname))
         return h, vn, ht
 
     gathered = None
@@ -246,7 +245,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     q, k, v = core.qkv_operands(q, k, v, OP, use_l2)
     if not use_l2:
         qn, kk = q, k
-    sqk = dict(SQ=core.row_stride(qn), SK=core.row_stride(kk))
+    sqk = core.qk_strides(qn, kk)
     gd = _gate_operand(g)
     bf = _c(beta.to(torch.float32), "beta")
     if gate:
