@@ -1,12 +1,13 @@
 """A/B of the library against an earlier commit, in one process on the GPU: det bits and device time per op.
 
-    python bench/ab.py prepare REF        # here (needs git): the package at REF, renamed, into .ab/mek_old
-    python bench/ab.py run [--ops gdn,gqa] [--rounds 3] [--out FILE]   # on the GPU (carry .ab)
+    python bench/ab.py prepare REF [--name mek_old]   # here (needs git): the package at REF, renamed, into .ab/NAME
+    python bench/ab.py run [--ops gdn,gqa] [--rounds 3] [--out FILE] [--old mek_old]   # on the GPU (carry .ab)
 
-`prepare` exports `miles_ext_kernels` at REF as the package `mek_old` (every `miles_ext_kernels` renamed, custom ops
-included), so both versions import side by side. `run` calls each op's public entry point (det, default options)
-forward + backward on the benchmark layouts with both packages on the same inputs, checks every output and
-gradient with `torch.equal`, and times both in device time (`_common.device_ms`), interleaved over `--rounds`
+`prepare` exports `miles_ext_kernels` at REF as the package NAME (default `mek_old`; every `miles_ext_kernels`
+renamed, custom ops included), so both versions import side by side; several prepared names let one GPU call A/B
+the working tree against several commits (`run --old NAME`). `run` calls each op's public entry point (det,
+default options) forward + backward on the benchmark layouts with both packages on the same inputs, checks every
+output and gradient with `torch.equal`, and times both in device time (`_common.device_ms`), interleaved over `--rounds`
 rounds (min per side). Prints a table; `--out` writes the rows as JSON.
 """
 from __future__ import annotations
@@ -26,8 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 AB = ROOT / ".ab"
 
 
-def prepare(ref: str) -> None:
-    dst = AB / "mek_old"
+def prepare(ref: str, name: str = "mek_old") -> None:
+    if not re.fullmatch(r"mek_[a-z0-9_]+", name):
+        raise SystemExit(f"--name must look like mek_<letters, digits, _>, got {name!r}")
+    dst = AB / name
     shutil.rmtree(dst, ignore_errors=True)
     with tempfile.TemporaryDirectory() as tmp:
         tar = Path(tmp) / "src.tar"
@@ -36,7 +39,7 @@ def prepare(ref: str) -> None:
             tf.extractall(tmp)
         shutil.move(str(Path(tmp) / "miles_ext_kernels"), dst)
     for p in dst.rglob("*.py"):
-        p.write_text(re.sub(r"\bmiles_ext_kernels\b", "mek_old", p.read_text()))
+        p.write_text(re.sub(r"\bmiles_ext_kernels\b", name, p.read_text()))
     rev = subprocess.run(["git", "rev-parse", "--short", ref], cwd=ROOT, capture_output=True, text=True).stdout
     (dst / "REF").write_text(rev)
     print(f"{dst}: miles_ext_kernels at {rev.strip()}")
@@ -210,7 +213,7 @@ OPS = {name: (globals()[name + "_cases"], globals()[name + "_inputs"], globals()
        for name in ("gqa", "gdn", "kda", "conv1d", "rmsnorm", "gated_rmsnorm")}
 
 
-def run(ops, rounds: int, out: str | None) -> int:
+def run(ops, rounds: int, out: str | None, old: str = "mek_old") -> int:
     import torch
 
     sys.path.insert(0, str(AB))
@@ -218,8 +221,8 @@ def run(ops, rounds: int, out: str | None) -> int:
     sys.path.insert(0, str(ROOT))
     from _common import device_ms, env_info, print_table
 
-    old_ref = (AB / "mek_old" / "REF").read_text().strip()
-    pkgs = ("mek_old", "miles_ext_kernels")
+    old_ref = (AB / old / "REF").read_text().strip()
+    pkgs = (old, "miles_ext_kernels")
     for p in pkgs:
         importlib.import_module(p).configure()
     rows, bad = [], 0
@@ -235,7 +238,7 @@ def run(ops, rounds: int, out: str | None) -> int:
                 for p in pkgs:
                     best[p] = min(best[p], device_ms(lambda p=p, x=x: call(p, x), warmup=3, rep=10, lead_ms=5.0))
             row = dict(op=op, case=label, bits_equal=same, differ=",".join(map(str, differ)),
-                       old_ms=best["mek_old"], new_ms=best["miles_ext_kernels"])
+                       old_ms=best[old], new_ms=best["miles_ext_kernels"])
             row["new/old"] = row["new_ms"] / row["old_ms"]
             rows.append(row)
             bad += not same
@@ -255,19 +258,21 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("ref")
+    p.add_argument("--name", default="mek_old")
     r = sub.add_parser("run")
     r.add_argument("--ops", default=",".join(OPS))
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--out")
+    r.add_argument("--old", default="mek_old", help="the prepared package to compare against (.ab/OLD)")
     a = ap.parse_args()
     if a.cmd == "prepare":
-        prepare(a.ref)
+        prepare(a.ref, a.name)
         return 0
     ops = [o for o in a.ops.split(",") if o]
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
         ap.error(f"unknown ops {unknown}; known: {sorted(OPS)}")
-    return run(ops, a.rounds, a.out)
+    return run(ops, a.rounds, a.out, a.old)
 
 
 if __name__ == "__main__":
