@@ -84,9 +84,10 @@ def test_every_benchmark_is_dry_run_here():
     # host_profile.py profiles host.py's declarations (its own test: test_host_profile_without_launches)
     # kda_profile.py / cp_profile.py: per-kernel GPU profiles of bench/kda.py's and bench/cp.py's calls (GPU only)
     # gqa_tiles.py: gqa's tile candidates against FA2 through the launchers (a GPU tuning script)
+    # cfg_sweep.py: config variants of gdn / kda in one process (a GPU tuning script)
     files = {p.stem for p in BENCH.glob("*.py")} - {"_common", "plot", "ab", "sass", "model", "kda_sass", "kda_profile",
                                                     "cp_profile", "host", "host_profile", "cp_nccl", "step",
-                                                    "gqa_tiles"}
+                                                    "gqa_tiles", "cfg_sweep"}
     assert files == set(ON_CPU), "a bench/<op>.py is missing from ON_CPU (or ON_CPU names a file that is gone)"
 
 

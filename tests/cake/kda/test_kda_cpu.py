@@ -317,8 +317,13 @@ def test_register_cap_reaches_the_launch_and_its_route(monkeypatch):
     """A config entry's maxnreg is a launch option of that kernel (and only where an entry has one): the route a
     prebuild compiles carries it, and a call with it runs."""
     monkeypatch.setitem(configs.CFG, "grams", dict(configs.CFG["grams"], maxnreg=128))
-    assert ops._cfg(configs.CFG, "grams")["maxnreg"] == 128 and "maxnreg" not in ops._cfg(configs.CFG, "wu")
-    preps = [r for r in ops.routes(128, 128) if r.label.startswith("fwd_grams_kernel[")]
+    assert ops._cfg(configs.CFG, "grams")["maxnreg"] == 128 and "maxnreg" not in ops._cfg(configs.CFG, "o")
+    rs = ops.routes(128, 128)
+    preps = [r for r in rs if r.label.startswith("fwd_grams_kernel[")]
     assert preps and all("maxnreg=128" in r.label for r in preps), [r.label for r in preps]
+    # the shipped caps (intra, dg, wu) reach their routes too
+    for kernel, cap in (("bwd_intra_kernel[", 168), ("bwd_dg_kernel[", 128), ("fwd_wu_kernel[", 128)):
+        own = [r.label for r in rs if r.label.startswith(kernel)]
+        assert own and all(f"maxnreg={cap}" in lab for lab in own), own
     inp = demo_mod.make_inputs([70], 1, 2, 32, 32, "cpu", gate="softplus", seed=3)
     _exact(_fp32_case(inp, True))

@@ -24,7 +24,12 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
   ms against 0.74, H100, same bits).
 - "h" takes 2 stages (3 need 246 784 B of shared memory, over the H200's 232 448: the G^T tile of a vector gate is
   pipelined too).
-- maxnreg (any entry, optional): a per-thread register cap for that kernel (launch option); none set.
+- maxnreg (any entry, optional): a per-thread register cap for that kernel (launch option). Set where a sweep found
+  it faster, with the same bits (H100, 16 x 2048 H32, softplus gate, `bench/kda_profile.py`, ms per step): intra
+  168 (4.42 -> 3.88; with num_stages 3 3.81; 128: 5.51, 192: 4.70), dg 128 (1.38 -> 1.21; 168: 1.44), wu 128
+  (0.667 -> 0.626). At 255 registers these 2- and 4-warp programs ran at 12 % occupancy (ncu), stalled on
+  shared-memory round trips; the cap lets more programs share an SM. It lost on grams (168: 1.66 -> 4.06), o
+  (128: 0.72 -> 1.29), dvl and inv; on gdn every cap tried lost (bench/NOTES.md).
 - final LOW_PARTIALS, LOW_DK (both off, unlike gdn): the per-value-head dq, dk sums read by bwd_final, and the dense
   backward's dk partial completed by the in-chunk backward, in fp32. In the input dtype (bf16, gdn's choice) they
   cost kda dq / dk 1.11 - 1.17x fla 0.6.0's error against FP64 (fla keeps them in fp32); in fp32 0.998x (H100,
@@ -49,13 +54,13 @@ CFG = tables.table(
     grams=dict(num_warps=1, BK=32),
     inv=dict(num_warps=2, TC=False),
     o=dict(num_warps=4, BV=128),
-    wu=dict(num_warps=8),
+    wu=dict(num_warps=8, maxnreg=128),
     h=dict(num_warps=8, num_stages=2, BV=128),
     h_narrow=dict(num_warps=4, num_stages=3, BV=32, DECAYED=True),
     dh_narrow=dict(num_warps=4, num_stages=2, BV=32, DECAYED=True),
     dense=dict(num_warps=8, BK=32, num_stages=4),
-    intra=dict(num_warps=2, BK=32),
-    dg=dict(num_warps=4, BK=32),
+    intra=dict(num_warps=2, BK=32, maxnreg=168, num_stages=3),
+    dg=dict(num_warps=4, BK=32, maxnreg=128),
     gate_sum=dict(num_warps=4, BP=32, BN=128),
     decayed=dict(num_warps=4, BK=32),
     final=dict(num_warps=4, BR=16, LOW_PARTIALS=False, LOW_DK=False),
