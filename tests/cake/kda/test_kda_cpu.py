@@ -109,6 +109,21 @@ def test_diagonal_sub_blocks_elementwise_past_the_span_exact_in_fp32(decay):
     _exact(errs)
 
 
+def test_diagonal_blocks_elementwise_route(monkeypatch):
+    """DIAG_TC off in the grams and the in-chunk backward: every diagonal sub-block takes the elementwise fp32 path
+    (the switch reaches both launches), exact in fp32 against FP64, and the bf16 demo case within its budgets."""
+    for name in ("grams", "intra"):
+        monkeypatch.setitem(configs.CFG, name, dict(configs.CFG[name], DIAG_TC=False))
+    labels = [r.label for r in ops.routes(32, 32)]
+    for kernel in ("fwd_grams_kernel[", "bwd_intra_kernel["):
+        own = [lab for lab in labels if lab.startswith(kernel)]
+        assert own and all("DIAG_TC=False" in lab for lab in own), own
+    _exact(_fp32_case(demo_mod.make_inputs([64, 50], 1, 2, 32, 32, "cpu", gate="pre", decay=-0.5, seed=9), True))
+    inp = demo_mod.make_inputs([15, 70, 50], 1, 2, 32, 32, "cpu", gate="safe", trans=True, seed=0)
+    ours, ref = demo_mod.run_case(inp)
+    _check_all(ours, ref, BUDGETS["safe"])
+
+
 @pytest.mark.parametrize("bk, narrow", [(16, False), (8, True)])
 def test_k_slices_and_narrow_state_tiles(bk, narrow, monkeypatch):
     """The gate, the grams, the dense backward, the in-chunk backward and the dg backward in K slices (each slice

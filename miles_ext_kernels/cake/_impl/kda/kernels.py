@@ -250,13 +250,13 @@ def fwd_gate_kernel(g, A_log, dt_bias, se, table, gc, lower_bound, SG, H, HV, K:
 
 @triton.jit(do_not_specialize=["H", "HV"])
 def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, SQ, SK, H, HV, K: tl.constexpr, BT: tl.constexpr,
-                     BK: tl.constexpr, INTERPRET: tl.constexpr):
+                     BK: tl.constexpr, DIAG_TC: tl.constexpr, INTERPRET: tl.constexpr):
     """Per chunk and 16-row sub-block i: its rows of Aqk (stored) and of L (fp32, into Ls for fwd_inv_kernel), by
     sub-blocks (module docstring): the earlier rows in one product, (q_i, k_i * exp(G_i - G_r)) times
     (k_j exp(G_r - G_j))^T over every row j before the sub-block's first row r (both factors <= 1); the diagonal
     sub-block as one 3xTF32 product with its row 8 as the reference where the decay about it is bounded
-    (`_diag_refs`), otherwise elementwise, one column at a time (exact for any decay). The key dimensions go in
-    BK-wide slices."""
+    (`_diag_refs`), otherwise (and always without DIAG_TC) elementwise, one column at a time (exact for any decay).
+    The key dimensions go in BK-wide slices."""
     pid = tl.program_id(0)
     hv = tl.program_id(1)
     i = pid % 4
@@ -299,13 +299,18 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, SQ, SK, H, HV, K
         sk += _tdot(b_k * e, kgt, DT, INTERPRET)
         # both diagonal paths without a branch (an if / else around them gave NaNs on the elementwise side, triton
         # 3.6 on Hopper): the product, kept where the span allows it (its exponents capped, so it stays finite
-        # where it is dropped), and the loop, 16 steps where it does not and none where it does
-        gm, diag_ok = _diag_refs(gcb, nr, r0, HV * K, o_k, gn)
-        em = tl.exp(tl.minimum(b_g - gm[None, :], DIAG_SPAN))
-        kdt = tl.trans(b_k * tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN)))
-        dq += tl.where(diag_ok, _xdot(b_q * em, kdt, DT, INTERPRET), 0.)
-        dk += tl.where(diag_ok, _xdot(b_k * em, kdt, DT, INTERPRET), 0.)
-        for j in range(0, tl.where(diag_ok, 0, 16)):
+        # where it is dropped), and the loop, 16 steps where it does not and none where it does. Without DIAG_TC
+        # the loop always runs (exact fp32 on the FMA units, other bits)
+        if DIAG_TC:
+            gm, diag_ok = _diag_refs(gcb, nr, r0, HV * K, o_k, gn)
+            em = tl.exp(tl.minimum(b_g - gm[None, :], DIAG_SPAN))
+            kdt = tl.trans(b_k * tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN)))
+            dq += tl.where(diag_ok, _xdot(b_q * em, kdt, DT, INTERPRET), 0.)
+            dk += tl.where(diag_ok, _xdot(b_k * em, kdt, DT, INTERPRET), 0.)
+            steps = tl.where(diag_ok, 0, 16)
+        else:
+            steps = 16
+        for j in range(0, steps):
             rc = tl.minimum(r0 + j, nr - 1)
             kj = tl.where(r0 + j < nr, tl.load(kb + rc * SK + o_k).to(tl.float32), 0.)
             gj = tl.load(gcb + rc * (HV * K) + o_k)
@@ -687,7 +692,8 @@ def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, d
 
 @triton.jit(do_not_specialize=["TT", "H", "HV"])
 def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp, dGi, TT, SQ, SK, H, HV,
-                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DIAG_TC: tl.constexpr,
+                     INTERPRET: tl.constexpr):
     """Per chunk, BK-wide key slice and 16-row sub-block, the decay-weighted in-chunk products of the backward
     (module docstring), of M = dAqk (Aqk_ij = scale sum_d q_id k_jd Gam_ij,d, j <= i) and M = dL
     (L_ij = beta_i sum_d k_id k_jd Gam_ij,d, j < i):
@@ -698,10 +704,10 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     bwd_dg_kernel scans it). The earlier sub-blocks go in one [16, 16] x [16, BK] product per sub-block and M with
     this sub-block's first row as the reference, the later ones likewise with its last row (`_intra_blocks`; only
     the document's sub-blocks); the diagonal sub-block in one 3xTF32 product per side and M with its row 8 as the
-    reference where the decay about it is bounded (`_diag_refs`), otherwise elementwise, one row at a time. The
-    diagonal of dAqk (Gam = 1) goes to dq, dk elementwise and never into dG (its q * dq and k * dk terms cancel
-    exactly). What does not depend on the key slice (the diagonal blocks of M) is loaded first (`_intra_slice` does
-    the slice's work)."""
+    reference where the decay about it is bounded (`_diag_refs`), otherwise (and always without DIAG_TC)
+    elementwise, one row at a time. The diagonal of dAqk (Gam = 1) goes to dq, dk elementwise and never into dG
+    (its q * dq and k * dk terms cancel exactly). What does not depend on the key slice (the diagonal blocks of M)
+    is loaded first (`_intra_slice` does the slice's work)."""
     NK: tl.constexpr = K // BK
     pid = tl.program_id(0)
     hv = tl.program_id(1)
@@ -738,7 +744,7 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     # interleaved and spilled, bench/NOTES.md kda v5.1)
     for ks1 in range(ks, ks + 1):
         _intra_slice(ks1, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, b_b, mq, ml,
-                     mqt, mlt, TT, SQ, SK, HV, K, BT, BK, k.dtype.element_ty, INTERPRET)
+                     mqt, mlt, TT, SQ, SK, HV, K, BT, BK, k.dtype.element_ty, DIAG_TC, INTERPRET)
 
 
 @triton.jit
@@ -775,7 +781,7 @@ def _intra_blocks(qb, kb, gcb, bb, mqb, mlb, r0, nr, gn, gl, o_k, SQ, SK, HV, K:
 @triton.jit
 def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, b_b, mq, ml, mqt,
                  mlt, TT, SQ, SK, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 DIAG_TC: tl.constexpr, INTERPRET: tl.constexpr):
     """bwd_intra_kernel's work on key slice ks (mq .. mlt: the sub-block's diagonal blocks of M; DT: the run's
     dtype)."""
     o = tl.arange(0, 16)
@@ -798,20 +804,25 @@ def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, 
     cq *= ek
     cl *= ek
     # the diagonal sub-block, both paths without a branch (as in fwd_grams_kernel): about its row 8 on tensor
-    # cores where the span allows it (rows j < i for R, i > j for C), elementwise where it does not
-    gm, diag_ok = _diag_refs(gcb, nr, r0, HV * K, o_k, gn)
-    em = tl.exp(tl.minimum(b_g - gm[None, :], DIAG_SPAN))
-    en = tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN))
-    low = o[:, None] > o[None, :]
-    kd = b_k * en
-    rq += tl.where(diag_ok, _xdot(tl.where(low, mq, 0.), kd, DT, INTERPRET) * em, 0.)
-    rl += tl.where(diag_ok, _xdot(tl.where(low, ml, 0.), kd, DT, INTERPRET) * em, 0.)
-    up = o[:, None] < o[None, :]  # transposed: entry (j, i) of M^T, i > j
-    cq += tl.where(diag_ok, _xdot(tl.where(up, mqt, 0.), b_q * em, DT, INTERPRET) * en, 0.)
-    cl += tl.where(diag_ok, _xdot(tl.where(up, mlt, 0.), (b_b[:, None] * b_k) * em, DT, INTERPRET) * en, 0.)
+    # cores where the span allows it (rows j < i for R, i > j for C), elementwise where it does not (and always
+    # without DIAG_TC)
+    if DIAG_TC:
+        gm, diag_ok = _diag_refs(gcb, nr, r0, HV * K, o_k, gn)
+        em = tl.exp(tl.minimum(b_g - gm[None, :], DIAG_SPAN))
+        en = tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN))
+        low = o[:, None] > o[None, :]
+        kd = b_k * en
+        rq += tl.where(diag_ok, _xdot(tl.where(low, mq, 0.), kd, DT, INTERPRET) * em, 0.)
+        rl += tl.where(diag_ok, _xdot(tl.where(low, ml, 0.), kd, DT, INTERPRET) * em, 0.)
+        up = o[:, None] < o[None, :]  # transposed: entry (j, i) of M^T, i > j
+        cq += tl.where(diag_ok, _xdot(tl.where(up, mqt, 0.), b_q * em, DT, INTERPRET) * en, 0.)
+        cl += tl.where(diag_ok, _xdot(tl.where(up, mlt, 0.), (b_b[:, None] * b_k) * em, DT, INTERPRET) * en, 0.)
+        steps = tl.where(diag_ok, 0, 16)
+    else:
+        steps = 16
     # elementwise (exact for any decay): row j's column of M for the rows, its row for the columns;
     # e_ij = exp(-|G_i - G_j|) is the factor of the pair on either side of j
-    for j in range(0, tl.where(diag_ok, 0, 16)):
+    for j in range(0, steps):
         rc = tl.minimum(r0 + j, nr - 1)
         ok = r0 + j < nr
         qj = tl.where(ok, tl.load(qb + rc * SQ + o_k).to(tl.float32), 0.)
