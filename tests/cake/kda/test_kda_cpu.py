@@ -14,6 +14,7 @@ pytestmark = pytest.mark.interpreter
 demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.kda.demo")
 ops = importlib.import_module("miles_ext_kernels.cake._impl.kda.ops")
 configs = importlib.import_module("miles_ext_kernels.cake._impl.kda.configs")
+kernels = importlib.import_module("miles_ext_kernels.cake._impl.kda.kernels")
 
 # Relative RMS budgets of the bf16 path on CPU (no peer runs here), per case: 2 x our errors measured through the
 # interpreter, whose bf16 intermediates are rounded to nearest and tf32 products rounded like the GPU's operands
@@ -109,16 +110,23 @@ def test_diagonal_sub_blocks_elementwise_past_the_span_exact_in_fp32(decay):
     _exact(errs)
 
 
-def test_diagonal_blocks_elementwise_route(monkeypatch):
-    """DIAG_TC off in the grams and the in-chunk backward: every diagonal sub-block takes the elementwise fp32 path
-    (the switch reaches both launches), exact in fp32 against FP64, and the bf16 demo case within its budgets."""
+@pytest.mark.parametrize("mode", ["elementwise", "fma"])
+def test_diagonal_block_modes(mode, monkeypatch):
+    """The grams' and the in-chunk backward's other DIAG modes (the mode reaches both launches): exact in fp32 against
+    FP64, with a decay inside the span (the mode's own path) and past it (its elementwise fallback), and the bf16 demo
+    case within its budgets."""
     for name in ("grams", "intra"):
-        monkeypatch.setitem(configs.CFG, name, dict(configs.CFG[name], DIAG_TC=False))
+        monkeypatch.setitem(configs.CFG, name, dict(configs.CFG[name], DIAG=mode))
+    code = kernels.DIAG_MODES[mode]
     labels = [r.label for r in ops.routes(32, 32)]
     for kernel in ("fwd_grams_kernel[", "bwd_intra_kernel["):
         own = [lab for lab in labels if lab.startswith(kernel)]
-        assert own and all("DIAG_TC=False" in lab for lab in own), own
-    _exact(_fp32_case(demo_mod.make_inputs([64, 50], 1, 2, 32, 32, "cpu", gate="pre", decay=-0.5, seed=9), True))
+        assert own and all(f"DIAG={code}," in lab for lab in own), own
+    for decay in (-0.5, -6.0):
+        inp = demo_mod.make_inputs([64, 50], 1, 2, 32, 32, "cpu", gate="pre", decay=decay, seed=9)
+        errs = _fp32_case(inp, True)
+        assert errs.pop("dg") < 2 * EXACT, errs  # at -6: the reverse scan's terms of very different sizes
+        _exact(errs)
     inp = demo_mod.make_inputs([15, 70, 50], 1, 2, 32, 32, "cpu", gate="safe", trans=True, seed=0)
     ours, ref = demo_mod.run_case(inp)
     _check_all(ours, ref, BUDGETS["safe"])

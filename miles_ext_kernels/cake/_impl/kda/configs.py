@@ -8,10 +8,12 @@ latency-bound: fewer registers per program (more programs per SM) won over wider
   32 in 4 programs: 0.345 ms against 0.388 at BK 64 in 2, H200; BK changes the scan's bits).
 - grams: one program per chunk and 16-row sub-block (1 warp, BK = 32; with the diagonal sub-block's tensor-core
   product: 1.69 ms against 2.62 at 2 warps; before it, 3.5 ms at 1 warp, 4.2 at 2, 4.5 at 4).
-- grams / intra DIAG_TC (on): the diagonal 16 x 16 blocks as 3xTF32 products on the tensor cores about the block's
-  middle row where the decay allows it; off, always the elementwise fp32 path (exact for any decay, other bits).
-  The diagonal blocks alone took 0.97 ms of the forward at 16 x 2048 H32 (H100, as a kernel of their own): off
-  is the candidate to time against it.
+- grams / intra DIAG: how the diagonal 16 x 16 blocks are computed. "tensor_cores" (shipped): about the block's
+  middle row as 3xTF32 products, where the decay allows it. "fma": the same factors on the FMA units, a column of
+  the block at a time. "elementwise": always the exact fp32 path, exp(G_i - G_j) per entry. The other two modes fall
+  back to "elementwise" where the decay is steep, so it is exact for any decay. Each mode has its own bits. The
+  diagonal blocks alone took 0.97 ms of the forward at 16 x 2048 H32 (H100, as a kernel of their own); "fma" and
+  "elementwise" are the candidates to time against it.
 - inv: the block inverse per chunk (2 warps: 0.398 ms against 0.430 at 4, H100, same bits). TC (off): its 16 x 16
   products in 3xTF32 on the tensor cores instead of exact fp32 on the FMA units (other bits; 0.445 ms against
   0.405, H100).
@@ -55,7 +57,7 @@ from ..delta_rule import tables
 # gdn's table with the entries above changed (the other entries: `_impl/delta_rule/tables.SWEPT`)
 CFG = tables.table(
     gate=dict(num_warps=4, BK=32, SPLIT=4),
-    grams=dict(num_warps=1, BK=32, DIAG_TC=True),
+    grams=dict(num_warps=1, BK=32, DIAG="tensor_cores"),
     inv=dict(num_warps=2, TC=False),
     o=dict(num_warps=4, BV=128),
     wu=dict(num_warps=8, maxnreg=128),
@@ -63,7 +65,7 @@ CFG = tables.table(
     h_narrow=dict(num_warps=4, num_stages=3, BV=32, DECAYED=True),
     dh_narrow=dict(num_warps=4, num_stages=2, BV=32, DECAYED=True),
     dense=dict(num_warps=8, BK=32, num_stages=4),
-    intra=dict(num_warps=2, BK=32, maxnreg=168, num_stages=3, DIAG_TC=True),
+    intra=dict(num_warps=2, BK=32, maxnreg=168, num_stages=3, DIAG="tensor_cores"),
     dg=dict(num_warps=4, BK=32, maxnreg=128),
     gate_sum=dict(num_warps=4, BP=32, BN=128),
     decayed=dict(num_warps=4, BK=32),

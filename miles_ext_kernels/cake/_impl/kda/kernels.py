@@ -32,8 +32,9 @@ for a true product smaller still. A diagonal sub-block (both rows in the same 16
 the reference where G falls by at most DIAG_SPAN (40) from the first row to it and from it to the last row on every
 key dimension of the slice (checked per program from G, no bound on the gate assumed; always true under the safe
 gate, 8 x 5, and wherever the decay averages above -5 per token over those rows), so both factors stay within
-exp(40), and is one 3xTF32 product (fp32 accuracy); where G falls faster it goes elementwise in fp32,
-exp(G_i - G_j) per entry (exact for any decay). i == j has Gam = 1. The other products run at tf32 on rounded fp32
+exp(40), and is one 3xTF32 product (fp32 accuracy; config DIAG "fma": the same factors on the FMA units); where
+G falls faster (and always with DIAG "elementwise") it goes elementwise in fp32, exp(G_i - G_j) per entry (exact for
+any decay). i == j has Gam = 1. The other products run at tf32 on rounded fp32
 operands (fla's precision for them; exact fp32 when the run itself is fp32). `safe_gate` changes no result here
 beyond what its gate computes.
 Rows past a document's end read the document's last G (the prep's cumsum of g = 0, and clamped row indices
@@ -78,6 +79,11 @@ BT = common.BT  # chunk length
 G_FLOOR = common.G_FLOOR
 # gate kinds (constexpr GATE): the log decay as given; -exp(A_log) softplus(g + dt_bias); lower_bound sigmoid(...)
 GATE_NONE, GATE_SOFTPLUS, GATE_SIGMOID = 0, 1, 2
+# how the diagonal 16 x 16 sub-blocks are computed (constexpr DIAG): elementwise, exp(G_i - G_j) per entry (exact for
+# any decay); about the block's row 8 as one 3xTF32 product on the tensor cores; or about row 8 on the FMA units, one
+# column (or row) of the block at a time. The last two fall back to the first where the decay about row 8 is steep.
+DIAG_ELEMENTWISE, DIAG_TENSOR_CORES, DIAG_FMA = 0, 1, 2
+DIAG_MODES = {"elementwise": DIAG_ELEMENTWISE, "tensor_cores": DIAG_TENSOR_CORES, "fma": DIAG_FMA}
 # the diagonal sub-blocks' tensor-core products need G to fall by at most this much on either side of the middle row
 # (factors <= exp(40) ~ 2.4e17, far from fp32's overflow even times large operands); otherwise elementwise
 DIAG_SPAN = tl.constexpr(40.0)
@@ -250,13 +256,14 @@ def fwd_gate_kernel(g, A_log, dt_bias, se, table, gc, lower_bound, SG, H, HV, K:
 
 @triton.jit(do_not_specialize=["H", "HV"])
 def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, SQ, SK, H, HV, K: tl.constexpr, BT: tl.constexpr,
-                     BK: tl.constexpr, DIAG_TC: tl.constexpr, INTERPRET: tl.constexpr):
+                     BK: tl.constexpr, DIAG: tl.constexpr, INTERPRET: tl.constexpr):
     """Per chunk and 16-row sub-block i: its rows of Aqk (stored) and of L (fp32, into Ls for fwd_inv_kernel), by
     sub-blocks (module docstring): the earlier rows in one product, (q_i, k_i * exp(G_i - G_r)) times
     (k_j exp(G_r - G_j))^T over every row j before the sub-block's first row r (both factors <= 1); the diagonal
     sub-block as one 3xTF32 product with its row 8 as the reference where the decay about it is bounded
-    (`_diag_refs`), otherwise (and always without DIAG_TC) elementwise, one column at a time (exact for any decay).
-    The key dimensions go in BK-wide slices."""
+    (`_diag_refs`; DIAG: or the same factors on the FMA units, one column at a time), otherwise (and always with
+    DIAG_ELEMENTWISE) elementwise, one column at a time (exact for any decay). The key dimensions go in BK-wide
+    slices."""
     pid = tl.program_id(0)
     hv = tl.program_id(1)
     i = pid % 4
@@ -298,18 +305,29 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, SQ, SK, H, HV, K
         sq += _tdot(b_q * e, kgt, DT, INTERPRET)
         sk += _tdot(b_k * e, kgt, DT, INTERPRET)
         # both diagonal paths without a branch (an if / else around them gave NaNs on the elementwise side, triton
-        # 3.6 on Hopper): the product, kept where the span allows it (its exponents capped, so it stays finite
-        # where it is dropped), and the loop, 16 steps where it does not and none where it does. Without DIAG_TC
-        # the loop always runs (exact fp32 on the FMA units, other bits)
-        if DIAG_TC:
+        # 3.6 on Hopper): the product about row 8, kept where the span allows it (its exponents capped, so it stays
+        # finite where it is dropped), and the elementwise loop, 16 steps where it does not and none where it does
+        # (DIAG_ELEMENTWISE: always). Entries above the diagonal are dropped after the slices
+        if DIAG == 0:
+            steps = 16
+        else:
             gm, diag_ok = _diag_refs(gcb, nr, r0, HV * K, o_k, gn)
             em = tl.exp(tl.minimum(b_g - gm[None, :], DIAG_SPAN))
-            kdt = tl.trans(b_k * tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN)))
-            dq += tl.where(diag_ok, _xdot(b_q * em, kdt, DT, INTERPRET), 0.)
-            dk += tl.where(diag_ok, _xdot(b_k * em, kdt, DT, INTERPRET), 0.)
+            if DIAG == 1:
+                kdt = tl.trans(b_k * tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN)))
+                dq += tl.where(diag_ok, _xdot(b_q * em, kdt, DT, INTERPRET), 0.)
+                dk += tl.where(diag_ok, _xdot(b_k * em, kdt, DT, INTERPRET), 0.)
+            else:  # the same factors, column j at a time on the FMA units: one [BK] exp per column
+                qm = b_q * em
+                km = b_k * em
+                for j in range(0, tl.where(diag_ok, 16, 0)):
+                    rc = tl.minimum(r0 + j, nr - 1)
+                    kj = tl.where(r0 + j < nr, tl.load(kb + rc * SK + o_k).to(tl.float32), 0.)
+                    kf = kj * tl.exp(tl.minimum(gm - tl.load(gcb + rc * (HV * K) + o_k), DIAG_SPAN))
+                    sel = (o == j)[None, :]
+                    dq = tl.where(sel, dq + tl.sum(qm * kf[None, :], 1)[:, None], dq)
+                    dk = tl.where(sel, dk + tl.sum(km * kf[None, :], 1)[:, None], dk)
             steps = tl.where(diag_ok, 0, 16)
-        else:
-            steps = 16
         for j in range(0, steps):
             rc = tl.minimum(r0 + j, nr - 1)
             kj = tl.where(r0 + j < nr, tl.load(kb + rc * SK + o_k).to(tl.float32), 0.)
@@ -692,7 +710,7 @@ def bwd_dense_kernel(q, k, v, vn, beta, do, dd, gc, A, h, dhe, se, table, dqs, d
 
 @triton.jit(do_not_specialize=["TT", "H", "HV"])
 def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp, dGi, TT, SQ, SK, H, HV,
-                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DIAG_TC: tl.constexpr,
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr,
                      INTERPRET: tl.constexpr):
     """Per chunk, BK-wide key slice and 16-row sub-block, the decay-weighted in-chunk products of the backward
     (module docstring), of M = dAqk (Aqk_ij = scale sum_d q_id k_jd Gam_ij,d, j <= i) and M = dL
@@ -704,10 +722,11 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     bwd_dg_kernel scans it). The earlier sub-blocks go in one [16, 16] x [16, BK] product per sub-block and M with
     this sub-block's first row as the reference, the later ones likewise with its last row (`_intra_blocks`; only
     the document's sub-blocks); the diagonal sub-block in one 3xTF32 product per side and M with its row 8 as the
-    reference where the decay about it is bounded (`_diag_refs`), otherwise (and always without DIAG_TC)
-    elementwise, one row at a time. The diagonal of dAqk (Gam = 1) goes to dq, dk elementwise and never into dG
-    (its q * dq and k * dk terms cancel exactly). What does not depend on the key slice (the diagonal blocks of M)
-    is loaded first (`_intra_slice` does the slice's work)."""
+    reference where the decay about it is bounded (`_diag_refs`; DIAG: or the same factors on the FMA units, one row
+    of the block at a time), otherwise (and always with DIAG_ELEMENTWISE) elementwise, one row at a time. The
+    diagonal of dAqk (Gam = 1) goes to dq, dk elementwise and never into dG (its q * dq and k * dk terms cancel
+    exactly). What does not depend on the key slice (the diagonal blocks of M) is loaded first (`_intra_slice` does
+    the slice's work)."""
     NK: tl.constexpr = K // BK
     pid = tl.program_id(0)
     hv = tl.program_id(1)
@@ -744,7 +763,7 @@ def bwd_intra_kernel(q, k, beta, gc, dAqk, dL, se, table, dqs, dks, dq, dk, dbp,
     # interleaved and spilled, bench/NOTES.md kda v5.1)
     for ks1 in range(ks, ks + 1):
         _intra_slice(ks1, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, b_b, mq, ml,
-                     mqt, mlt, TT, SQ, SK, HV, K, BT, BK, k.dtype.element_ty, DIAG_TC, INTERPRET)
+                     mqt, mlt, TT, SQ, SK, HV, K, BT, BK, k.dtype.element_ty, DIAG, INTERPRET)
 
 
 @triton.jit
@@ -781,7 +800,7 @@ def _intra_blocks(qb, kb, gcb, bb, mqb, mlb, r0, nr, gn, gl, o_k, SQ, SK, HV, K:
 @triton.jit
 def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, b_b, mq, ml, mqt,
                  mlt, TT, SQ, SK, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                 DIAG_TC: tl.constexpr, INTERPRET: tl.constexpr):
+                 DIAG: tl.constexpr, INTERPRET: tl.constexpr):
     """bwd_intra_kernel's work on key slice ks (mq .. mlt: the sub-block's diagonal blocks of M; DT: the run's
     dtype)."""
     o = tl.arange(0, 16)
@@ -803,23 +822,45 @@ def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, 
     rl *= eq
     cq *= ek
     cl *= ek
-    # the diagonal sub-block, both paths without a branch (as in fwd_grams_kernel): about its row 8 on tensor
-    # cores where the span allows it (rows j < i for R, i > j for C), elementwise where it does not (and always
-    # without DIAG_TC)
-    if DIAG_TC:
+    # the diagonal sub-block, both paths without a branch (as in fwd_grams_kernel): about its row 8 where the span
+    # allows it (rows j < i for R, i > j for C), on the tensor cores or (DIAG_FMA) the FMA units, elementwise where it
+    # does not (and always with DIAG_ELEMENTWISE)
+    if DIAG == 0:
+        steps = 16
+    else:
         gm, diag_ok = _diag_refs(gcb, nr, r0, HV * K, o_k, gn)
         em = tl.exp(tl.minimum(b_g - gm[None, :], DIAG_SPAN))
         en = tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN))
-        low = o[:, None] > o[None, :]
-        kd = b_k * en
-        rq += tl.where(diag_ok, _xdot(tl.where(low, mq, 0.), kd, DT, INTERPRET) * em, 0.)
-        rl += tl.where(diag_ok, _xdot(tl.where(low, ml, 0.), kd, DT, INTERPRET) * em, 0.)
-        up = o[:, None] < o[None, :]  # transposed: entry (j, i) of M^T, i > j
-        cq += tl.where(diag_ok, _xdot(tl.where(up, mqt, 0.), b_q * em, DT, INTERPRET) * en, 0.)
-        cl += tl.where(diag_ok, _xdot(tl.where(up, mlt, 0.), (b_b[:, None] * b_k) * em, DT, INTERPRET) * en, 0.)
+        if DIAG == 1:
+            low = o[:, None] > o[None, :]
+            kd = b_k * en
+            rq += tl.where(diag_ok, _xdot(tl.where(low, mq, 0.), kd, DT, INTERPRET) * em, 0.)
+            rl += tl.where(diag_ok, _xdot(tl.where(low, ml, 0.), kd, DT, INTERPRET) * em, 0.)
+            up = o[:, None] < o[None, :]  # transposed: entry (j, i) of M^T, i > j
+            cq += tl.where(diag_ok, _xdot(tl.where(up, mqt, 0.), b_q * em, DT, INTERPRET) * en, 0.)
+            cl += tl.where(diag_ok, _xdot(tl.where(up, mlt, 0.), (b_b[:, None] * b_k) * em, DT, INTERPRET) * en, 0.)
+        else:  # the same factors, row j's column of M for the rows and its row for the columns, one [BK] exp each
+            for j in range(0, tl.where(diag_ok, 16, 0)):
+                rc = tl.minimum(r0 + j, nr - 1)
+                ok = r0 + j < nr
+                qj = tl.where(ok, tl.load(qb + rc * SQ + o_k).to(tl.float32), 0.)
+                kj = tl.where(ok, tl.load(kb + rc * SK + o_k).to(tl.float32), 0.)
+                bj = tl.where(ok, tl.load(bb + rc * HV).to(tl.float32), 0.)
+                gj = tl.load(gcb + rc * (HV * K) + o_k)
+                kf = kj * tl.exp(tl.minimum(gm - gj, DIAG_SPAN))  # k_j exp(G_m - G_j)
+                ef = tl.exp(tl.minimum(gj - gm, DIAG_SPAN))  # exp(G_j - G_m)
+                mq_c = tl.load(mqb + r * (HV * BT) + r0 + j, mask=m, other=0.)  # column j
+                ml_c = tl.load(mlb + r * (HV * BT) + r0 + j, mask=m, other=0.)
+                mq_r = tl.where(ok, tl.load(mqb + rc * (HV * BT) + r0 + o), 0.)  # row j
+                ml_r = tl.where(ok, tl.load(mlb + rc * (HV * BT) + r0 + o), 0.)
+                below = (o > j)[:, None]
+                above = (o < j)[:, None]
+                # masked after the products: a non-finite row j must not reach the other side
+                rq += tl.where(below, mq_c[:, None] * kf[None, :] * em, 0.)
+                rl += tl.where(below, ml_c[:, None] * kf[None, :] * em, 0.)
+                cq += tl.where(above, mq_r[:, None] * (qj * ef)[None, :] * en, 0.)
+                cl += tl.where(above, ml_r[:, None] * (bj * kj * ef)[None, :] * en, 0.)
         steps = tl.where(diag_ok, 0, 16)
-    else:
-        steps = 16
     # elementwise (exact for any decay): row j's column of M for the rows, its row for the columns;
     # e_ij = exp(-|G_i - G_j|) is the factor of the pair on either side of j
     for j in range(0, steps):

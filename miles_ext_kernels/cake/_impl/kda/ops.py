@@ -167,7 +167,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     Ls = _ws("Ls", (Tt, HV, BT), torch.float32, device)
     launch(kn.fwd_grams_kernel, (P * 4, HV), q=qn, k=kk, gc=gc, beta=bf, se=se, table=table, Aqk=Aqk, Ls=Ls,
            scale=float(scale), **sqk, H=H, HV=HV, K=K, BT=BT, BK=min(K, tab["grams"]["BK"]),
-           DIAG_TC=tab["grams"]["DIAG_TC"], INTERPRET=INTERPRET, **_cfg(tab, "grams"))
+           DIAG=kn.DIAG_MODES[tab["grams"]["DIAG"]], INTERPRET=INTERPRET, **_cfg(tab, "grams"))
     launch(kn.fwd_inv_kernel, (P, HV), Ls=Ls, se=se, table=table, A=A, HV=HV, BT=BT, TC=tab["inv"]["TC"],
            INTERPRET=INTERPRET, **_cfg(tab, "inv"))
     w = torch.empty(Tt, HV, K, dtype=dt, device=device)
@@ -310,7 +310,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
     dGi = _ws("dGi", (Tt, HV, K), torch.float32, device)
     launch(kn.bwd_intra_kernel, (P * 4 * NK, HV), q=qn, k=kk, beta=bf, gc=gc, dAqk=dAqk, dL=dL, se=se, table=table,
            dqs=dqs, dks=dks, dq=dqv, dk=dkf, dbp=dbp, dGi=dGi, TT=Tt, **sqk, H=H, HV=HV, K=K,
-           BT=BT, BK=min(K, tab["intra"]["BK"]), DIAG_TC=tab["intra"]["DIAG_TC"], INTERPRET=INTERPRET,
+           BT=BT, BK=min(K, tab["intra"]["BK"]), DIAG=kn.DIAG_MODES[tab["intra"]["DIAG"]], INTERPRET=INTERPRET,
            **_cfg(tab, "intra"))
     dbf = torch.empty(Tt, HV, dtype=torch.float32, device=device)
     dg = torch.empty(B, T, HV, K, dtype=g.dtype, device=device)
