@@ -798,6 +798,23 @@ def _intra_blocks(qb, kb, gcb, bb, mqb, mlb, r0, nr, gn, gl, o_k, SQ, SK, HV, K:
 
 
 @triton.jit
+def _diag_step(qb, kb, bb, gcb, mqb, mlb, r, m, r0, j, nr, o, o_k, SQ, SK, HV, K: tl.constexpr, BT: tl.constexpr):
+    """What a step j of bwd_intra_kernel's diagonal loops reads: row j's q, k, beta (0 past the document's end) and
+    G (its last row there), M's column j (dAqk, dL) and its row j."""
+    rc = tl.minimum(r0 + j, nr - 1)
+    ok = r0 + j < nr
+    qj = tl.where(ok, tl.load(qb + rc * SQ + o_k).to(tl.float32), 0.)
+    kj = tl.where(ok, tl.load(kb + rc * SK + o_k).to(tl.float32), 0.)
+    bj = tl.where(ok, tl.load(bb + rc * HV).to(tl.float32), 0.)
+    gj = tl.load(gcb + rc * (HV * K) + o_k)
+    mq_c = tl.load(mqb + r * (HV * BT) + r0 + j, mask=m, other=0.)
+    ml_c = tl.load(mlb + r * (HV * BT) + r0 + j, mask=m, other=0.)
+    mq_r = tl.where(ok, tl.load(mqb + rc * (HV * BT) + r0 + o), 0.)
+    ml_r = tl.where(ok, tl.load(mlb + rc * (HV * BT) + r0 + o), 0.)
+    return qj, kj, bj, gj, mq_c, ml_c, mq_r, ml_r
+
+
+@triton.jit
 def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, hv, r0, nr, r, m, b_b, mq, ml, mqt,
                  mlt, TT, SQ, SK, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
                  DIAG: tl.constexpr, INTERPRET: tl.constexpr):
@@ -841,18 +858,10 @@ def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, 
             cl += tl.where(diag_ok, _xdot(tl.where(up, mlt, 0.), (b_b[:, None] * b_k) * em, DT, INTERPRET) * en, 0.)
         else:  # the same factors, row j's column of M for the rows and its row for the columns, one [BK] exp each
             for j in range(0, tl.where(diag_ok, 16, 0)):
-                rc = tl.minimum(r0 + j, nr - 1)
-                ok = r0 + j < nr
-                qj = tl.where(ok, tl.load(qb + rc * SQ + o_k).to(tl.float32), 0.)
-                kj = tl.where(ok, tl.load(kb + rc * SK + o_k).to(tl.float32), 0.)
-                bj = tl.where(ok, tl.load(bb + rc * HV).to(tl.float32), 0.)
-                gj = tl.load(gcb + rc * (HV * K) + o_k)
+                qj, kj, bj, gj, mq_c, ml_c, mq_r, ml_r = _diag_step(qb, kb, bb, gcb, mqb, mlb, r, m, r0, j, nr, o,
+                                                                    o_k, SQ, SK, HV, K, BT)
                 kf = kj * tl.exp(tl.minimum(gm - gj, DIAG_SPAN))  # k_j exp(G_m - G_j)
                 ef = tl.exp(tl.minimum(gj - gm, DIAG_SPAN))  # exp(G_j - G_m)
-                mq_c = tl.load(mqb + r * (HV * BT) + r0 + j, mask=m, other=0.)  # column j
-                ml_c = tl.load(mlb + r * (HV * BT) + r0 + j, mask=m, other=0.)
-                mq_r = tl.where(ok, tl.load(mqb + rc * (HV * BT) + r0 + o), 0.)  # row j
-                ml_r = tl.where(ok, tl.load(mlb + rc * (HV * BT) + r0 + o), 0.)
                 below = (o > j)[:, None]
                 above = (o < j)[:, None]
                 # masked after the products: a non-finite row j must not reach the other side
@@ -864,20 +873,12 @@ def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, 
     # elementwise (exact for any decay): row j's column of M for the rows, its row for the columns;
     # e_ij = exp(-|G_i - G_j|) is the factor of the pair on either side of j
     for j in range(0, steps):
-        rc = tl.minimum(r0 + j, nr - 1)
-        ok = r0 + j < nr
-        qj = tl.where(ok, tl.load(qb + rc * SQ + o_k).to(tl.float32), 0.)
-        kj = tl.where(ok, tl.load(kb + rc * SK + o_k).to(tl.float32), 0.)
-        bj = tl.where(ok, tl.load(bb + rc * HV).to(tl.float32), 0.)
-        gj = tl.load(gcb + rc * (HV * K) + o_k)
+        qj, kj, bj, gj, mq_c, ml_c, mq_r, ml_r = _diag_step(qb, kb, bb, gcb, mqb, mlb, r, m, r0, j, nr, o, o_k, SQ,
+                                                            SK, HV, K, BT)
         dlt = b_g - gj[None, :]
         below = (o > j)[:, None]
         above = (o < j)[:, None]
         e = tl.exp(tl.where(below, dlt, -dlt))
-        mq_c = tl.load(mqb + r * (HV * BT) + r0 + j, mask=m, other=0.)  # column j
-        ml_c = tl.load(mlb + r * (HV * BT) + r0 + j, mask=m, other=0.)
-        mq_r = tl.where(ok, tl.load(mqb + rc * (HV * BT) + r0 + o), 0.)  # row j
-        ml_r = tl.where(ok, tl.load(mlb + rc * (HV * BT) + r0 + o), 0.)
         # masked after the products: a non-finite row j must not reach the other side
         rq += tl.where(below, mq_c[:, None] * kj[None, :] * e, 0.)
         rl += tl.where(below, ml_c[:, None] * kj[None, :] * e, 0.)
