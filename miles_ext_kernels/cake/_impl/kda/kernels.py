@@ -82,8 +82,8 @@ GATE_NONE, GATE_SOFTPLUS, GATE_SIGMOID = 0, 1, 2
 # how the diagonal 16 x 16 sub-blocks are computed (constexpr DIAG): elementwise, exp(G_i - G_j) per entry (exact for
 # any decay); about the block's row 8 as one 3xTF32 product on the tensor cores; or about row 8 on the FMA units, one
 # column (or row) of the block at a time. The last two fall back to the first where the decay about row 8 is steep.
-DIAG_ELEMENTWISE, DIAG_TENSOR_CORES, DIAG_FMA = 0, 1, 2
-DIAG_MODES = {"elementwise": DIAG_ELEMENTWISE, "tensor_cores": DIAG_TENSOR_CORES, "fma": DIAG_FMA}
+DIAG_ELEMENTWISE, DIAG_TENSOR_CORES, DIAG_FMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+DIAG_MODES = {"elementwise": DIAG_ELEMENTWISE.value, "tensor_cores": DIAG_TENSOR_CORES.value, "fma": DIAG_FMA.value}
 # the diagonal sub-blocks' tensor-core products need G to fall by at most this much on either side of the middle row
 # (factors <= exp(40) ~ 2.4e17, far from fp32's overflow even times large operands); otherwise elementwise
 DIAG_SPAN = tl.constexpr(40.0)
@@ -308,12 +308,12 @@ def fwd_grams_kernel(q, k, gc, beta, se, table, Aqk, Ls, scale, SQ, SK, H, HV, K
         # 3.6 on Hopper): the product about row 8, kept where the span allows it (its exponents capped, so it stays
         # finite where it is dropped), and the elementwise loop, 16 steps where it does not and none where it does
         # (DIAG_ELEMENTWISE: always). Entries above the diagonal are dropped after the slices
-        if DIAG == 0:
+        if DIAG == DIAG_ELEMENTWISE:
             steps = 16
         else:
             gm, diag_ok = _diag_refs(gcb, nr, r0, HV * K, o_k, gn)
             em = tl.exp(tl.minimum(b_g - gm[None, :], DIAG_SPAN))
-            if DIAG == 1:
+            if DIAG == DIAG_TENSOR_CORES:
                 kdt = tl.trans(b_k * tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN)))
                 dq += tl.where(diag_ok, _xdot(b_q * em, kdt, DT, INTERPRET), 0.)
                 dk += tl.where(diag_ok, _xdot(b_k * em, kdt, DT, INTERPRET), 0.)
@@ -842,13 +842,13 @@ def _intra_slice(ks, qb, kb, gcb, bb, mqb, mlb, dqs, dks, dq, dk, dbp, dGi, t0, 
     # the diagonal sub-block, both paths without a branch (as in fwd_grams_kernel): about its row 8 where the span
     # allows it (rows j < i for R, i > j for C), on the tensor cores or (DIAG_FMA) the FMA units, elementwise where it
     # does not (and always with DIAG_ELEMENTWISE)
-    if DIAG == 0:
+    if DIAG == DIAG_ELEMENTWISE:
         steps = 16
     else:
         gm, diag_ok = _diag_refs(gcb, nr, r0, HV * K, o_k, gn)
         em = tl.exp(tl.minimum(b_g - gm[None, :], DIAG_SPAN))
         en = tl.exp(tl.minimum(gm[None, :] - b_g, DIAG_SPAN))
-        if DIAG == 1:
+        if DIAG == DIAG_TENSOR_CORES:
             low = o[:, None] > o[None, :]
             kd = b_k * en
             rq += tl.where(diag_ok, _xdot(tl.where(low, mq, 0.), kd, DT, INTERPRET) * em, 0.)
