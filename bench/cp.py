@@ -9,7 +9,9 @@ of the ranks' compute; "per-rank W=n" runs the plain call on each rank's tokens 
 one after another: the same split work without CP's extra state passes and chain kernels. The issue's bar: CP at
 most 15 % over the plain device time (read against per-rank; the one call is printed too: a rank's shorter,
 fewer sequences fill fewer SMs in the sequential state kernels, a cost of splitting that W real GPUs do not sum).
-The all_gather bytes per rank and layer call (sent; a rank receives W times as much) are printed beside it and
+Zigzag runs with its default state exchanges (2) and with 1, 3 and 4 ("E=n": up to n - 1 pieces of each document
+wait for their true state instead of running the extra pass; the per-rank baseline is the same). The all_gather
+bytes per rank and layer call (sent, over every exchange; a rank receives W times as much) are printed beside it and
 written in `overhead`. Modes fwd, bwd (the backward stages on the kept forward), full. Writes bench/results/cp.json
 (see _common.py for the row format).
 
@@ -36,7 +38,9 @@ NAMES = ("q", "k", "v", "g", "beta")
 OPS = {"gdn": dict(H=16, HV=32, K=128, V=128), "kda": dict(H=32, HV=32, K=128, V=128)}
 SAFE_LB = -5.0
 BAR = 1.15  # the issue's bar: CP time / plain time
-PLANS = [("contiguous", 2), ("contiguous", 4), ("contiguous", 8), ("zigzag", 4)]
+# (layout, W, state exchanges; None: the default, the only one with a per-rank baseline, which does not depend on it)
+PLANS = [("contiguous", 2, None), ("contiguous", 4, None), ("contiguous", 8, None), ("zigzag", 4, None),
+         ("zigzag", 4, 1), ("zigzag", 4, 3), ("zigzag", 4, 4)]
 PLAIN = "plain (one call)"
 
 
@@ -89,19 +93,25 @@ def _stage_args(x, p):
 
 
 def comm_bytes(ctx, p) -> dict:
-    """all_gather bytes one rank sends per layer call (forward states, backward state gradients)."""
+    """all_gather bytes one rank sends per layer call (forward states, backward state gradients: every exchange)."""
     HV, K, V = p["HV"], p["K"], p["V"]
-    return {"fwd_bytes": ctx.max_export * HV * K * (V + K) * 4, "bwd_bytes": ctx.max_import * HV * K * V * 4}
+    return {"exchanges": ctx.state_exchanges, "fwd_bytes": sum(ctx.max_fwd_send) * HV * K * (V + K) * 4,
+            "bwd_bytes": sum(ctx.max_bwd_send) * HV * K * V * 4}
 
 
-def simulated(layout, W):
+def _name(kind, layout, W, exchanges=None):
+    return f"{kind} W={W} {layout}" + (f" E={exchanges}" if exchanges else "")
+
+
+def simulated(layout, W, exchanges=None):
     def make_calls(x, p):
         T = sum(p["lens"])
         if (layout == "contiguous" and T % W) or (layout == "zigzag" and any(n % (2 * W) for n in p["lens"])):
             from _common import Skip
 
             raise Skip(f"{layout} needs T / lengths divisible by the CP size")
-        ctxs = rcp.simulated_contexts(x["cu_list"], W, layout=layout, device=x["q"].device)
+        ctxs = rcp.simulated_contexts(x["cu_list"], W, layout=layout, state_exchanges=exchanges,
+                                      device=x["q"].device)
         ops, params, args = _stage_args(x, p)
         shards = [[rcp.shard(x[n], c).contiguous() for n in NAMES] for c in ctxs]
         dos = [rcp.shard(x["do"], c).contiguous() for c in ctxs]
@@ -188,9 +198,11 @@ DRY = {"gdn 2 docs": dict(op="gdn", H=1, HV=2, K=16, V=16, lens=[32, 32]),
 
 def declare(quick: bool = False) -> Bench:
     providers = [Provider(PLAIN, plain, det=True, ours=True)]
-    for layout, W in PLANS:
-        providers.append(Provider(f"cp W={W} {layout}", simulated(layout, W), ours=True, accuracy=False))
-        providers.append(Provider(f"per-rank W={W} {layout}", per_rank(layout, W), ours=True, accuracy=False))
+    for layout, W, exchanges in PLANS:
+        providers.append(Provider(_name("cp", layout, W, exchanges), simulated(layout, W, exchanges), ours=True,
+                                  accuracy=False))
+        if exchanges is None:
+            providers.append(Provider(_name("per-rank", layout, W), per_rank(layout, W), ours=True, accuracy=False))
     return Bench(name="cp", shapes=shapes(quick), dry_shapes=DRY, inputs=make, providers=providers,
                  modes=("fwd", "bwd", "full"), warmup=2, rep=10, lead_ms=5.0)
 
@@ -204,13 +216,15 @@ def overheads(rows: list, params: dict) -> list:
     for (shape, prov, mode), ms in t.items():
         if not prov.startswith("cp "):
             continue
-        _, w, layout = prov.split()
+        _, w, layout, *rest = prov.split()
+        exchanges = int(rest[0][2:]) if rest else None
         base = t.get((shape, f"per-rank {w} {layout}", mode))
         one = t.get((shape, PLAIN, mode))
         if base is None:
             continue
         p = params[shape]
-        ctx = rcp.simulated_contexts([0] + torch.tensor(p["lens"]).cumsum(0).tolist(), int(w[2:]), layout=layout)[0]
+        ctx = rcp.simulated_contexts([0] + torch.tensor(p["lens"]).cumsum(0).tolist(), int(w[2:]), layout=layout,
+                                     state_exchanges=exchanges)[0]
         out.append({"shape": shape, "provider": prov, "mode": mode, "vs_per_rank": round(ms / base, 3),
                     "bar_ok": ms / base <= BAR, "vs_one_call": round(ms / one, 3) if one else None,
                     **comm_bytes(ctx, p)})

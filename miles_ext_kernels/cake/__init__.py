@@ -22,7 +22,8 @@ def device_arch(device=None) -> str:
     return build.device_arch(device)
 
 
-def build_cp_context(cu_seqlens_global, group, *, conv1d_kernel_size=None, layout="contiguous"):
+def build_cp_context(cu_seqlens_global, group, *, conv1d_kernel_size=None, layout="contiguous",
+                     state_exchanges=None):
     """The context-parallel (CP) plan of one step, for `cp_context=` of gdn, kda and conv1d (build it once per step,
     pass it to every layer).
 
@@ -35,13 +36,20 @@ def build_cp_context(cu_seqlens_global, group, *, conv1d_kernel_size=None, layou
       Documents may straddle ranks anywhere.
     - conv1d_kernel_size: the width W_conv of the conv1d calls that will use the context (their halo is the last
       W_conv - 1 inputs of a document before a rank's piece).
+    - state_exchanges: all_gathers per pass of gdn / kda (None: 2 for zigzag, 1 for contiguous). A piece in a
+      document's middle either runs one extra state pass before the exchange (its transition from a zero start) or
+      waits for its true incoming state; with E exchanges up to E - 1 middle pieces per document wait (the longest
+      first: under zigzag, rank W - 1's piece), which saves their extra pass and puts their own pass between two
+      exchanges. More exchanges: less compute, a longer chain of dependent steps across ranks.
     The ops then take the rank's tokens (B = 1, in layout order) with `cp_context=ctx`; `ctx.cu_seqlens` are the
     rank's pieces as local documents. Each layer call runs a fixed number of all_gathers sized by states / halos
-    (never by T) and no host sync; det bits repeat for a given (layout, W, cu_seqlens_global).
+    (never by T) and no host sync; det bits repeat for a given (layout, W,
+    cu_seqlens_global, state_exchanges).
     """
     from ._runtime import cp
 
-    return cp.build_cp_context(cu_seqlens_global, group, conv1d_kernel_size=conv1d_kernel_size, layout=layout)
+    return cp.build_cp_context(cu_seqlens_global, group, conv1d_kernel_size=conv1d_kernel_size, layout=layout,
+                               state_exchanges=state_exchanges)
 
 
 def no_build():

@@ -7,14 +7,18 @@ A packed stream of documents (`cu_seqlens_global`) is cut over the W ranks of a 
   of every document, documents in order (each document's length a multiple of 2W).
 A *piece* is the non-empty part of one document on one rank; a rank's pieces, in its token order, are its local
 documents (`CPContext.cu_seqlens`). A piece with a predecessor (an earlier piece of its document, on any rank)
-*imports* state; a piece with a successor *exports* it. The ops exchange fixed-size per-rank buffers (one
-`all_gather` per direction and layer call, sized by states / halos and the plan, never by T) and read the gathered
-buffers through the index tables of the plan, built here once per step on the host.
+*imports* state; a piece with a successor *exports* it. Under zigzag rank W - 1's two chunks of a document are
+adjacent and form one piece. The ops exchange fixed-size per-rank buffers (a number of `all_gather`s per layer call
+fixed by the plan: conv1d one per direction, gdn / kda `state_exchanges` per pass; sized by states / halos and the
+plan, never by T) and read the gathered buffers through the index tables of the plan, built here once per step on
+the host.
 
 Recurrent ops (gdn, kda) chain their states: piece p's incoming state is the fold over its document's earlier
 pieces q (in order) of S <- M_q S + E_q, with E_q the state q ends in from a zero state and M_q its transition; the
 gradient goes the other way (G <- M_q^T G + D_q over the later pieces, D_q being the state gradient q's start gets
-from a zero end gradient). conv1d reads a halo: the last W_conv - 1 inputs of a document before a piece.
+from a zero end gradient). A piece in a document's middle may instead wait for its true incoming state (the plan's
+schedule: `Piece.waits`, `fwd_round`, `bwd_round`), which saves its extra state pass at the cost of one more
+exchange. conv1d reads a halo: the last W_conv - 1 inputs of a document before a piece.
 
 `run_simulated` runs the stages of W ranks in one process (the GPU tests and `bench/cp.py` on one GPU); a process
 group runs them over torch.distributed (NCCL on GPUs, gloo for CPU tensors).
@@ -39,6 +43,10 @@ class Piece:
     start: int        # global token range [start, end)
     end: int
 
+    waits: bool = False   # a middle piece that waits for its true incoming state (no extra state pass)
+    fwd_round: int = 0    # the state exchange after which its incoming state is known (0: it imports none)
+    bwd_round: int = 0    # the backward's exchange after which its end-state gradient is known (0: it exports none)
+
     @property
     def imports(self) -> bool:
         return self.index > 0
@@ -46,6 +54,23 @@ class Piece:
     @property
     def exports(self) -> bool:
         return self.index < self.count - 1
+
+    @property
+    def fwd_send(self) -> int:
+        """The forward exchange that carries its export (0: none): a document's first piece and a waiting piece send
+        their true final state E one exchange after their incoming state is known; the other middle pieces send
+        (E, M) in the exchange that completes their own incoming state."""
+        if not self.exports:
+            return 0
+        return self.fwd_round + 1 if self.index == 0 or self.waits else self.fwd_round
+
+    @property
+    def bwd_send(self) -> int:
+        """The backward exchange that carries D, the gradient of its start state (0: it imports none); the mirror of
+        `fwd_send` (a document's last piece and a waiting piece send the true gradient)."""
+        if not self.imports:
+            return 0
+        return self.bwd_round + 1 if self.index == self.count - 1 or self.waits else self.bwd_round
 
 
 def _int_list(name: str, cu) -> list:
@@ -59,13 +84,45 @@ def _int_list(name: str, cu) -> list:
     raise TypeError(f"{name} must be a 1-D int32 / int64 tensor or a list of ints, got {type(cu).__name__}")
 
 
-def plan(cu_seqlens_global, world: int, layout: str = "contiguous") -> tuple[list, int]:
-    """(pieces of every rank: a list per rank, in local token order; total tokens T). Checks the layout's rules."""
+def default_state_exchanges(layout: str) -> int:
+    """Zigzag: 2 (rank W - 1's piece of each document's middle waits for its true state instead of running the
+    extra state pass); contiguous: 1 (no piece waits)."""
+    return 2 if layout == "zigzag" else 1
+
+
+def _check_exchanges(state_exchanges, layout: str) -> int:
+    if state_exchanges is None:
+        return default_state_exchanges(layout)
+    if isinstance(state_exchanges, bool) or not isinstance(state_exchanges, int) or state_exchanges < 1:
+        raise ValueError(f"state_exchanges must be a positive int or None, got {state_exchanges!r}")
+    return state_exchanges
+
+
+def _schedule(lens: list, exchanges: int) -> tuple:
+    """(waits, fwd_round, bwd_round) per piece of one document (piece lengths `lens`, in order): up to exchanges - 1
+    middle pieces wait, the longest first (ties: the later piece). Between waiting pieces (and the document's ends)
+    the pieces run the extra state pass; the forward's k-th exchange completes the incoming states of the pieces
+    after the (k - 1)-th waiting piece up to the k-th, the backward's the mirror image."""
+    n = len(lens)
+    middle = sorted(range(1, n - 1), key=lambda i: (-lens[i], -i))[:exchanges - 1]
+    fwd_anchors = [0] + sorted(middle)
+    bwd_anchors = [n - 1] + middle
+    waits = [i in middle for i in range(n)]
+    fwd = [sum(a < i for a in fwd_anchors) for i in range(n)]
+    bwd = [sum(b > i for b in bwd_anchors) for i in range(n)]
+    return waits, fwd, bwd
+
+
+def plan(cu_seqlens_global, world: int, layout: str = "contiguous", state_exchanges=None) -> tuple[list, int]:
+    """(pieces of every rank: a list per rank, in local token order; total tokens T). Checks the layout's rules.
+    `state_exchanges`: the gdn / kda state exchanges per pass (None: `default_state_exchanges`); with E of them up to
+    E - 1 middle pieces of each document wait for their true incoming state instead of running the extra pass."""
     cu = _int_list("cu_seqlens_global", cu_seqlens_global)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"the CP group size must be a positive int, got {world!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    exchanges = _check_exchanges(state_exchanges, layout)
     if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:])):
         raise ValueError(f"cu_seqlens_global must rise from 0 with at least 2 entries, got {cu[:8]}...")
     T = cu[-1]
@@ -89,9 +146,11 @@ def plan(cu_seqlens_global, world: int, layout: str = "contiguous") -> tuple[lis
             c = (b - a) // (2 * world)
             if c == 0:
                 continue
-            for r in range(world):
+            for r in range(world - 1):
                 for p in (r, 2 * world - 1 - r):
                     spans[r].append((d, a + p * c, a + (p + 1) * c))
+            # rank W - 1's two chunks are adjacent: one piece
+            spans[world - 1].append((d, a + (world - 1) * c, a + (world + 1) * c))
     # order each document's pieces by their global start: that is the recurrence's order
     by_doc: dict = {}
     for r, lst in enumerate(spans):
@@ -100,8 +159,9 @@ def plan(cu_seqlens_global, world: int, layout: str = "contiguous") -> tuple[lis
     pieces: list = [[None] * len(lst) for lst in spans]
     for d, lst in by_doc.items():
         lst.sort()
+        waits, fwd, bwd = _schedule([hi - lo for lo, hi, _, _ in lst], exchanges)
         for i, (lo, hi, r, s) in enumerate(lst):
-            pieces[r][s] = Piece(d, i, len(lst), r, s, lo, hi)
+            pieces[r][s] = Piece(d, i, len(lst), r, s, lo, hi, waits[i], fwd[i], bwd[i])
     return pieces, T
 
 
@@ -135,8 +195,10 @@ class CPContext:
     cu_seqlens    int32 [n_local + 1] on the device: the rank's pieces as local documents
     num_tokens    the rank's token count
     pieces        this rank's pieces (host), `all_pieces` every rank's
-    n_export / n_import   per rank: how many pieces export / import state; the gathered buffers hold
-                  `max_export` / `max_import` slots per rank
+    n_export / n_import   how many of the rank's pieces another piece reads / read another piece (conv1d's
+                  halo exchange: its gathered buffers hold `max_export` / `max_import` slots per rank)
+    state_exchanges   the gdn / kda state exchanges per pass (`state_round` / `grad_round`); exchange k's gathered
+                  buffers hold `max_fwd_send[k - 1]` / `max_bwd_send[k - 1]` slots per rank
     """
     layout: str
     world: int
@@ -162,6 +224,15 @@ class CPContext:
         self.import_slots = [[p.seg for p in lst if p.imports] for lst in self.all_pieces]
         self.max_export = max(1, max(len(x) for x in self.export_slots))
         self.max_import = max(1, max(len(x) for x in self.import_slots))
+        every = [p for lst in self.all_pieces for p in lst]
+        self.state_exchanges = max([1] + [p.fwd_send for p in every] + [p.bwd_send for p in every])
+        # per exchange and rank: the local documents that send in it, in local order
+        self.fwd_sends = [[[p.seg for p in lst if p.fwd_send == k] for lst in self.all_pieces]
+                          for k in range(1, self.state_exchanges + 1)]
+        self.bwd_sends = [[[p.seg for p in lst if p.bwd_send == k] for lst in self.all_pieces]
+                          for k in range(1, self.state_exchanges + 1)]
+        self.max_fwd_send = [max(1, max(len(x) for x in rnd)) for rnd in self.fwd_sends]
+        self.max_bwd_send = [max(1, max(len(x) for x in rnd)) for rnd in self.bwd_sends]
 
     # ------------------------------------------------------------------------------------------------ tables
     def _tensor(self, key, rows, dtype=torch.int64):
@@ -169,23 +240,17 @@ class CPContext:
             self._cache[key] = torch.tensor(rows, dtype=dtype, device=self.device)
         return self._cache[key]
 
-    def _slot(self, p: Piece, kind: str) -> int:
-        """Flat index of piece p's slot in a gathered [W, max_slots, ...] buffer."""
-        if kind == "export":
-            return p.rank * self.max_export + self.export_slots[p.rank].index(p.seg)
-        return p.rank * self.max_import + self.import_slots[p.rank].index(p.seg)
-
     def _doc_pieces(self, doc: int) -> list:
         return sorted((p for lst in self.all_pieces for p in lst if p.doc == doc), key=lambda p: p.index)
 
     @property
     def export_segs(self) -> torch.Tensor:
-        """int64 [n_export]: local documents whose end state another piece needs."""
+        """int64 [n_export]: local documents whose end another piece reads (conv1d's halo)."""
         return self._tensor("export", self.export_slots[self.rank])
 
     @property
     def import_segs(self) -> torch.Tensor:
-        """int64 [n_import]: local documents that start from another piece's state."""
+        """int64 [n_import]: local documents that read another piece's end (conv1d's halo)."""
         return self._tensor("import", self.import_slots[self.rank])
 
     @property
@@ -196,57 +261,72 @@ class CPContext:
     def n_import(self) -> int:
         return len(self.import_slots[self.rank])
 
-    def _split(self, kind: str) -> tuple:
-        """(positions, local documents) of this rank's exporting (`kind` "export") or importing ("import") pieces
-        that do the other as well, then of those that do not, as int64 tensors."""
-        key = ("split", kind)
-        if key not in self._cache:
-            slots = list(enumerate((self.export_slots if kind == "export" else self.import_slots)[self.rank]))
-            split = []
-            for both in (True, False):
-                group = [(pos, seg) for pos, seg in slots
-                         if (self.pieces[seg].imports if kind == "export" else self.pieces[seg].exports) == both]
-                split += [torch.tensor([pos for pos, _ in group], dtype=torch.int64, device=self.device),
-                          torch.tensor([seg for _, seg in group], dtype=torch.int64, device=self.device)]
-            self._cache[key] = tuple(split)
-        return self._cache[key]
+    # ------------------------------------------------------------------------------ gdn / kda state exchanges
+    def _send_slot(self, p: Piece, k: int, fwd: bool, concat: bool = False) -> int:
+        """Flat index of piece p's slot in exchange k's gathered [W, max_send, ...] buffer (`concat`: in the
+        forward's gathered buffers concatenated in exchange order, where the backward reads M)."""
+        sends, width = (self.fwd_sends, self.max_fwd_send) if fwd else (self.bwd_sends, self.max_bwd_send)
+        flat = p.rank * width[k - 1] + sends[k - 1][p.rank].index(p.seg)
+        return flat + (self.world * sum(self.max_fwd_send[:k - 1]) if concat else 0)
 
-    def export_split(self) -> tuple:
-        """`_split` of the exporting pieces: those that also import need E and M from the extra state pass, a
-        document's first piece takes E from its own pass (it starts from a zero state, which its M would multiply:
-        the state chain never reads it)."""
-        return self._split("export")
+    def _round(self, k: int, fwd: bool) -> dict:
+        key = ("round", k, fwd)
+        if key in self._cache:
+            return self._cache[key]
+        sends = (self.fwd_sends if fwd else self.bwd_sends)[k - 1][self.rank]
+        own, extra = [], []
+        for pos, seg in enumerate(sends):
+            p = self.pieces[seg]
+            end = p.index == 0 if fwd else p.index == p.count - 1
+            (own if end or p.waits else extra).append((pos, seg))
+        rows, dest = [], []
+        for p in self.pieces:
+            if (p.fwd_round if fwd else p.bwd_round) != k:
+                continue
+            doc = self._doc_pieces(p.doc)
+            if fwd:  # the earlier pieces from the last one that sends a true state, in recurrence order
+                chain = doc[:p.index]
+                first = max(i for i, q in enumerate(chain) if q.index == 0 or q.waits)
+                chain = chain[first:]
+                rows.append([(self._send_slot(q, k, True), -1 if i == 0 else self._send_slot(q, k, True))
+                             for i, q in enumerate(chain)])
+            else:    # the later pieces from the first one that sends a true gradient, back to p
+                chain = doc[p.index + 1:]
+                last = min(i for i, q in enumerate(chain) if q.index == q.count - 1 or q.waits)
+                chain = chain[:last + 1][::-1]
+                rows.append([(self._send_slot(q, k, False),
+                              -1 if i == 0 else self._send_slot(q, q.fwd_send, True, concat=True))
+                             for i, q in enumerate(chain)])
+            dest.append(p.seg)
 
-    def import_split(self) -> tuple:
-        """`_split` of the importing pieces: those that also export need D from the extra reverse pass, a document's
-        last piece takes D from its own reverse pass (its end gradient is zero)."""
-        return self._split("import")
+        def t(xs):
+            return torch.tensor(xs, dtype=torch.int64, device=self.device)
 
-    def state_chain(self) -> torch.Tensor:
-        """int64 [n_import, L, 2]: per importing piece, the (E, M) flat export slots of its document's earlier
-        pieces in recurrence order (-1 pads; the document's first piece has no M: S = 0 before it):
-        S <- M S + E from S = 0."""
-        if "fwd_chain" not in self._cache:
-            rows = []
-            for p in self.pieces:
-                if p.imports:
-                    rows.append([(self._slot(q, "export"), self._slot(q, "export") if q.imports else -1)
-                                 for q in self._doc_pieces(p.doc)[:p.index]])
-            self._cache["fwd_chain"] = _padded(rows, self.device)
-        return self._cache["fwd_chain"]
+        out = {"own_pos": t([x for x, _ in own]), "own_segs": t([x for _, x in own]),
+               "extra_pos": t([x for x, _ in extra]), "extra_segs": t([x for _, x in extra]),
+               "chain": _padded(rows, self.device), "dest": t(dest)}
+        self._cache[key] = out
+        return out
 
-    def grad_chain(self) -> torch.Tensor:
-        """int64 [n_export, L, 2]: per exporting piece, the (D import slot, M export slot) of its document's later
-        pieces from the last back (-1 pads; the last piece has no M): G <- M^T G + D from G = 0."""
-        if "bwd_chain" not in self._cache:
-            rows = []
-            for p in self.pieces:
-                if p.exports:
-                    later = self._doc_pieces(p.doc)[p.index + 1:]
-                    rows.append([(self._slot(q, "import"), self._slot(q, "export") if q.exports else -1)
-                                 for q in reversed(later)])
-            self._cache["bwd_chain"] = _padded(rows, self.device)
-        return self._cache["bwd_chain"]
+    def state_round(self, k: int) -> dict:
+        """This rank's part of the forward's exchange k (1 .. state_exchanges), int64 tensors:
+        own_segs / own_pos   the local documents whose own pass (from their incoming state, known by now; a
+                             document's first piece from zero) gives the true final state E they send in this
+                             exchange, and their slots in the rank's [max_fwd_send[k - 1], ...] buffer;
+        extra_segs / extra_pos   those that send (E, M) from the extra state pass;
+        chain [n, L, 2], dest [n]   per local document whose incoming state this exchange completes, the (E, M)
+                             flat slots of the exchange's gathered buffer in recurrence order, starting from the
+                             last earlier piece that sent a true state (M = -1): S <- M S + E from S = 0."""
+        return self._round(k, True)
+
+    def grad_round(self, k: int) -> dict:
+        """The backward's exchange k, the mirror of `state_round`: own_* the pieces whose own reverse pass (from
+        their end-state gradient, known by now; a document's last piece from zero) gives the true gradient D of
+        their start state, extra_* those whose D comes from the extra reverse pass, and per local document whose
+        end-state gradient this exchange completes, the (D slot in this exchange's gathered buffer, M slot in the
+        forward's gathered buffers concatenated in exchange order) of the later pieces from the first one that sent
+        a true gradient (M = -1) back: G <- M^T G + D from G = 0."""
+        return self._round(k, False)
 
     def halo_tables(self, width: int) -> dict:
         """Index tables of conv1d's halo exchange at kernel width `width` (R = width - 1 rows per piece):
@@ -368,7 +448,7 @@ def _check_kernel_size(conv1d_kernel_size):
 
 
 def build_cp_context(cu_seqlens_global, group, *, conv1d_kernel_size: Optional[int] = None,
-                     layout: str = "contiguous", device=None) -> CPContext:
+                     layout: str = "contiguous", state_exchanges: Optional[int] = None, device=None) -> CPContext:
     """See `miles_ext_kernels.cake.build_cp_context`."""
     import torch.distributed as dist
 
@@ -376,7 +456,7 @@ def build_cp_context(cu_seqlens_global, group, *, conv1d_kernel_size: Optional[i
         raise ValueError("group must be a torch.distributed process group (init_process_group first); for W "
                          "simulated ranks in one process use cake._runtime.cp.simulated_contexts")
     comm = Comm(group)
-    pieces, T = plan(cu_seqlens_global, comm.world, layout)
+    pieces, T = plan(cu_seqlens_global, comm.world, layout, state_exchanges)
     if device is None:
         device = (cu_seqlens_global.device if isinstance(cu_seqlens_global, torch.Tensor)
                   and cu_seqlens_global.device.type != "cpu" else
@@ -387,9 +467,10 @@ def build_cp_context(cu_seqlens_global, group, *, conv1d_kernel_size: Optional[i
 
 
 def simulated_contexts(cu_seqlens_global, world: int, *, layout: str = "contiguous",
-                       conv1d_kernel_size: Optional[int] = None, device="cpu") -> list:
+                       conv1d_kernel_size: Optional[int] = None, state_exchanges: Optional[int] = None,
+                       device="cpu") -> list:
     """The W contexts of a plan, without a process group (for `run_simulated`)."""
-    pieces, T = plan(cu_seqlens_global, world, layout)
+    pieces, T = plan(cu_seqlens_global, world, layout, state_exchanges)
     return [CPContext(layout, world, r, None, torch.device(device), pieces, T, _check_kernel_size(conv1d_kernel_size))
             for r in range(world)]
 

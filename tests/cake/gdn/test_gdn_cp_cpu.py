@@ -17,14 +17,19 @@ reference = importlib.import_module("miles_ext_kernels.cake._impl.gdn.reference"
 BUDGETS = importlib.import_module("tests.cake.gdn.test_gdn_cpu").BUDGETS_VARLEN
 
 NAMES = ("q", "k", "v", "g", "beta")
-# (layout, W, document lengths): documents straddling ranks, a rank inside one document only (no boundary: its
-# transition M carries the state through), empty documents, chunk +- 1 pieces, zigzag pieces of 1 token
+# (layout, W, document lengths, state exchanges): documents straddling ranks, a rank inside one document only (no
+# boundary: its transition M carries the state through), empty documents, chunk +- 1 pieces, zigzag pieces of 1
+# token; waiting pieces (zigzag's default: rank W - 1's; more exchanges: several per document, contiguous too)
 CASES = [
-    ("contiguous", 2, [15, 70, 50, 1]),
-    ("contiguous", 3, [200, 0, 40]),       # rank 1 holds the middle of the first document only
-    ("contiguous", 4, [63, 65, 64, 64]),
-    ("zigzag", 2, [64, 128, 0, 4]),        # the 4-token document: four 1-token pieces
-    ("zigzag", 3, [132, 66, 6]),
+    ("contiguous", 2, [15, 70, 50, 1], None),
+    ("contiguous", 3, [200, 0, 40], None),       # rank 1 holds the middle of the first document only
+    ("contiguous", 4, [63, 65, 64, 64], None),
+    ("zigzag", 2, [64, 128, 0, 4], None),        # the 4-token document: four 1-token pieces
+    ("zigzag", 3, [132, 66, 6], None),
+    ("zigzag", 4, [64, 136], None),              # chunks 3 - 4 (one piece) wait; 1, 2 and 5, 6 run the extra pass
+    ("zigzag", 4, [64, 8], 4),                   # chunks 3 - 4, 5 and 6 wait, 1 and 2 run the extra pass
+    ("contiguous", 4, [10, 190, 8], 2),          # the later of the second document's two equal middle pieces waits
+    ("zigzag", 3, [132, 66, 6], 1),              # no piece waits
 ]
 
 
@@ -39,8 +44,8 @@ def _fp64(inp, l2):
     return o.detach(), [x.grad for x in leaves]
 
 
-def _cp(inp, layout, W, l2, keep=True, fp32=False):
-    ctxs = rcp.simulated_contexts(inp["cu"], W, layout=layout)
+def _cp(inp, layout, W, l2, keep=True, fp32=False, exchanges=None):
+    ctxs = rcp.simulated_contexts(inp["cu"], W, layout=layout, state_exchanges=exchanges)
     xs = [x.float() for x in _whole(inp)] if fp32 else _whole(inp)
     do = inp["do"].float() if fp32 else inp["do"]
     K = inp["q"].shape[-1]
@@ -48,29 +53,29 @@ def _cp(inp, layout, W, l2, keep=True, fp32=False):
                         grad_out=do)
 
 
-@pytest.mark.parametrize("layout, W, lens", CASES)
-def test_cp_algebra_exact_in_fp32(layout, W, lens):
+@pytest.mark.parametrize("layout, W, lens, exchanges", CASES)
+def test_cp_algebra_exact_in_fp32(layout, W, lens, exchanges):
     """With fp32 operands every output and gradient of the CP pass (local passes, [u | 0] from [0 | I], the fp32
     chain, the reverse chain) matches the FP64 recurrence on the whole stream to fp32 rounding."""
     inp = demo_mod.make_inputs(lens, 1, 2, 16, 32, "cpu", h0=False)
     ro, rg = _fp64(inp, True)
-    o, grads = _cp(inp, layout, W, True, keep=(W % 2 == 0), fp32=True)
+    o, grads = _cp(inp, layout, W, True, keep=(W % 2 == 0), fp32=True, exchanges=exchanges)
     errs = {"o": rel_rms(o, ro)} | {"d" + n: rel_rms(gr, r) for n, gr, r in zip(NAMES, grads, rg)}
     for name, err in errs.items():
         assert err < 5e-6, (name, err, errs)
 
 
-@pytest.mark.parametrize("layout, W, lens", [CASES[0], CASES[3]])
-def test_cp_bf16_within_the_one_process_budgets_and_det_bits(layout, W, lens):
+@pytest.mark.parametrize("layout, W, lens, exchanges", [CASES[0], CASES[3], CASES[5]])
+def test_cp_bf16_within_the_one_process_budgets_and_det_bits(layout, W, lens, exchanges):
     """bf16: the CP pass's error against FP64 is within the budgets of the one-process call (each rejecting a 2 %
     error), and a repeat gives the same bits."""
     inp = demo_mod.make_inputs(lens, 1, 2, 32, 32, "cpu", h0=False)
     ro, rg = _fp64(inp, True)
-    o, grads = _cp(inp, layout, W, True)
+    o, grads = _cp(inp, layout, W, True, exchanges=exchanges)
     check_budget("o", o, ro, BUDGETS["o"])
     for n, gr, r in zip(NAMES, grads, rg):
         check_budget("d" + n, gr, r, BUDGETS["d" + n])
-    o2, grads2 = _cp(inp, layout, W, True)
+    o2, grads2 = _cp(inp, layout, W, True, exchanges=exchanges)
     assert torch.equal(o, o2)
     for a, b in zip(grads, grads2):
         assert torch.equal(a, b)
@@ -78,33 +83,75 @@ def test_cp_bf16_within_the_one_process_budgets_and_det_bits(layout, W, lens):
 
 def test_plan_pieces_and_tables():
     """The plan's pieces tile every document in order; a contiguous rank inside one document exports and imports
-    through its transition; zigzag gives each rank chunks r and 2W - 1 - r."""
+    through its transition; zigzag gives each rank chunks r and 2W - 1 - r, rank W - 1's two as one piece."""
     pieces, T = rcp.plan([0, 200, 200, 240], 3, "contiguous")
     assert T == 240
     assert [(p.doc, p.start, p.end) for p in pieces[1]] == [(0, 80, 160)]
     assert pieces[1][0].imports and pieces[1][0].exports
-    ctx = rcp.simulated_contexts([0, 200, 200, 240], 3)[2]
+    ranks = rcp.simulated_contexts([0, 200, 200, 240], 3)
+    ctx = ranks[2]
     assert ctx.cu_seqlens.tolist() == [0, 40, 80]
+    assert ctx.state_exchanges == 1
     # piece (doc 0, [160, 200)) folds pieces [0, 80) then [80, 160): slots of rank 0 then rank 1 (one per rank);
     # the document's first piece brings E only (no M: the state before it is zero)
-    assert ctx.state_chain().tolist() == [[[0, -1], [1, 1]]]
-    ranks = rcp.simulated_contexts([0, 200, 200, 240], 3)
-    # E and M: rank 0's piece (a document's first) from its own pass, rank 1's from the extra state pass
-    assert [t.tolist() for t in ranks[0].export_split()] == [[], [], [0], [0]]
-    assert [t.tolist() for t in ranks[1].export_split()] == [[0], [0], [], []]
-    # the backward's D: rank 1's piece from the extra reverse pass, rank 2's (the document's last) from its own pass
-    assert [t.tolist() for t in ranks[1].import_split()] == [[0], [0], [], []]
-    assert [t.tolist() for t in ranks[2].import_split()] == [[], [], [0], [0]]
-    assert ctx.grad_chain().tolist() == [[[-1, -1]]] or ctx.n_export == 0
+    t = ctx.state_round(1)
+    assert t["chain"].tolist() == [[[0, -1], [1, 1]]] and t["dest"].tolist() == [0]
+    # E: rank 0's piece (a document's first) from its own pass, rank 1's (E and M) from the extra state pass
+    t0, t1 = ranks[0].state_round(1), ranks[1].state_round(1)
+    assert (t0["own_segs"].tolist(), t0["extra_segs"].tolist()) == ([0], [])
+    assert (t1["own_segs"].tolist(), t1["extra_segs"].tolist()) == ([], [0])
+    # the backward's D: rank 1's piece from the extra reverse pass, rank 2's (the document's last) from its own pass;
+    # rank 0's piece folds rank 2's D (no M) then rank 1's with rank 1's M (forward slot 1)
+    g0, g1, g2 = (r.grad_round(1) for r in ranks)
+    assert (g1["own_segs"].tolist(), g1["extra_segs"].tolist()) == ([], [0])
+    assert (g2["own_segs"].tolist(), g2["extra_segs"].tolist()) == ([0], [])
+    assert g0["chain"].tolist() == [[[2, -1], [1, 1]]]
+    assert g2["chain"].shape[0] == 0 and g2["dest"].numel() == 0
     zz, _ = rcp.plan([0, 8], 2, "zigzag")
     assert [(p.start, p.end) for p in zz[0]] == [(0, 2), (6, 8)]
-    assert [(p.start, p.end) for p in zz[1]] == [(2, 4), (4, 6)]
+    assert [(p.start, p.end) for p in zz[1]] == [(2, 6)]
     with pytest.raises(ValueError, match="multiple of the CP size"):
         rcp.plan([0, 7], 2, "contiguous")
     with pytest.raises(ValueError, match="multiple of 2 x CP size"):
         rcp.plan([0, 8, 14], 2, "zigzag")
     with pytest.raises(ValueError, match="layout"):
         rcp.plan([0, 8], 2, "ring")
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="state_exchanges"):
+            rcp.plan([0, 8], 2, "zigzag", bad)
+
+
+def test_plan_waiting_pieces():
+    """Zigzag W = 4 (a document in pieces 0, 1, 2, [3, 4], 5, 6, 7 of 8 chunks): by default rank 3's merged piece waits
+    for its true state, so the forward's first exchange carries piece 0's E and pieces 1 - 2's (E, M), the second the
+    merged piece's E and pieces 5 - 6's (E, M); with 4 exchanges pieces 5 and 6 wait as well. The backward mirrors
+    it. W = 2: no extra pass is left."""
+    ranks = rcp.simulated_contexts([0, 64], 4, layout="zigzag")
+    assert [len(r.pieces) for r in ranks] == [2, 2, 2, 1] and ranks[3].pieces[0].waits
+    assert ranks[0].state_exchanges == 2
+    sends = [[(p.start // 8, p.fwd_send, p.bwd_send) for p in r.pieces] for r in ranks]
+    assert sends == [[(0, 1, 0), (7, 0, 1)], [(1, 1, 2), (6, 2, 1)], [(2, 1, 2), (5, 2, 1)], [(3, 2, 2)]]
+    own = [[r.state_round(k)["own_segs"].tolist() for k in (1, 2)] for r in ranks]
+    extra = [[r.state_round(k)["extra_segs"].tolist() for k in (1, 2)] for r in ranks]
+    assert own == [[[0], []], [[], []], [[], []], [[], [0]]]
+    assert extra == [[[], []], [[0], [1]], [[0], [1]], [[], []]]
+    # the merged piece's incoming state after exchange 1: pieces 0, 1, 2 (ranks 0, 1, 2); the last piece's after
+    # exchange 2: the merged piece (rank 3, no M), then pieces 5 (rank 2) and 6 (rank 1)
+    assert ranks[3].state_round(1)["chain"].tolist() == [[[0, -1], [1, 1], [2, 2]]]
+    assert ranks[0].state_round(2)["chain"].tolist() == [[[3, -1], [2, 2], [1, 1]]]
+    # backward, exchange 1: the merged piece's end gradient from pieces 7 (D only), 6, 5 with their M in the forward's
+    # second exchange (flat slots 4 + rank)
+    assert ranks[3].grad_round(1)["chain"].tolist() == [[[0, -1], [1, 5], [2, 6]]]
+    w4 = rcp.simulated_contexts([0, 64], 4, layout="zigzag", state_exchanges=4)
+    assert w4[0].state_exchanges == 4
+    assert [p.start // 8 for r in w4 for p in r.pieces if p.waits] == [6, 5, 3]
+    assert [p.start // 8 for r in w4 for p in r.pieces
+            if p.imports and p.exports and not p.waits] == [1, 2]
+    w2 = rcp.simulated_contexts([0, 64], 2, layout="zigzag")
+    assert all(r.state_round(k)["extra_segs"].numel() == 0 and r.grad_round(k)["extra_segs"].numel() == 0
+               for r in w2 for k in (1, 2))
+    one = rcp.simulated_contexts([0, 64], 4, layout="zigzag", state_exchanges=1)
+    assert one[0].state_exchanges == 1 and not any(p.waits for r in one for p in r.pieces)
 
 
 def test_cp_call_argument_rules():

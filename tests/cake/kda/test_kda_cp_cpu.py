@@ -15,17 +15,19 @@ demo_mod = importlib.import_module("miles_ext_kernels.cake._impl.kda.demo")
 kda_cpu = importlib.import_module("tests.cake.kda.test_kda_cpu")
 
 NAMES = ("q", "k", "v", "g", "beta")
-CASES = [
-    ("contiguous", 3, [200, 0, 40], "safe"),   # rank 1 inside one document: its K x K transition carries the state
-    ("contiguous", 2, [63, 65], "pre"),
-    ("zigzag", 2, [64, 128, 4], "softplus"),    # the 4-token document: four 1-token pieces
+CASES = [  # (layout, W, document lengths, gate, state exchanges)
+    ("contiguous", 3, [200, 0, 40], "safe", None),  # rank 1 inside one document: its K x K transition carries the state
+    ("contiguous", 2, [63, 65], "pre", None),
+    ("zigzag", 2, [64, 128, 4], "softplus", None),   # the 4-token document: four 1-token pieces
+    ("zigzag", 4, [64, 136], "safe", None),          # chunks 3 - 4 (one piece) wait; 1, 2 and 5, 6: extra passes
+    ("contiguous", 4, [10, 190, 8], "pre", 3),       # both middle pieces of the second document wait
 ]
 
 
-def _cp(inp, layout, W, l2, fp32=False):
+def _cp(inp, layout, W, l2, fp32=False, exchanges=None):
     f = {n: (x.float() if fp32 and isinstance(x, torch.Tensor) and x.is_floating_point() and n != "cu" else x)
          for n, x in inp.items()}
-    ctxs = rcp.simulated_contexts(inp["cu"], W, layout=layout)
+    ctxs = rcp.simulated_contexts(inp["cu"], W, layout=layout, state_exchanges=exchanges)
     gate = ops.gate_kind(inp["gate"] != "pre", inp["lower_bound"])
     lb = float(inp["lower_bound"] or 0.0)
     K = inp["q"].shape[-1]
@@ -41,14 +43,14 @@ def _ref(inp, l2):
     return ref
 
 
-@pytest.mark.parametrize("layout, W, lens, gate", CASES)
-def test_cp_algebra_exact_in_fp32(layout, W, lens, gate):
+@pytest.mark.parametrize("layout, W, lens, gate, exchanges", CASES)
+def test_cp_algebra_exact_in_fp32(layout, W, lens, gate, exchanges):
     """fp32 operands: every output and gradient of the CP pass matches the FP64 recurrence on the whole stream to
     fp32 rounding (dA_log / ddt_bias: the ranks' partials summed, as the caller's all-reduce does)."""
     inp = demo_mod.make_inputs(lens, 1, 2, 16, 32, "cpu", h0=False, gate=gate)
     ref = _ref({n: (x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
                 for n, x in inp.items()}, True)
-    ours = _cp(inp, layout, W, True, fp32=True)
+    ours = _cp(inp, layout, W, True, fp32=True, exchanges=exchanges)
     errs = {n: demo_mod.error(n, ours[n], ref) for n in ours}
     assert set(errs) == {n for n in ref if not n.startswith("rss_")}
     kda_cpu._exact(errs)

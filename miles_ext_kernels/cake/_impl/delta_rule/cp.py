@@ -1,20 +1,23 @@
 """Context parallelism of the chunked delta rule (gdn, kda): the state exchange both ops run inside their forward
 and backward (see `_runtime/cp.py` for the plan and the stage protocol).
 
-Forward, per rank: the pieces that export run the op's state recurrence once more, from [0 | I] with [u | 0] (V + K
-value columns; the kernel reads the zeros, nothing is stored but the final states). The delta rule's state is
-column-independent in V, so the first V columns end in E, the state from a zero start, and the last K in M, the
-piece's K x K transition (a document's first piece takes E from its own pass, run before the exchange: it starts
-from a zero state, and its M would multiply one, so the state chain has none for it) -> one all_gather of
-[max_export, HV, K, V + K] fp32 -> each importing piece folds its document's earlier pieces, S <- M S + E, in fp32
-and a fixed order (one launch per step) -> the op's own recurrence and output with S as the piece's initial state.
-Backward, per rank: after the in-chunk d(dlt), the pieces that import run the reverse recurrence from a zero end
-gradient: D, the gradient their start state gets (a document's last piece in its own pass, whose end gradient is
-zero; the others in an extra pass) -> one all_gather of [max_import, HV, K, V] fp32 -> each exporting
-piece folds its document's later pieces from the last back, G <- M^T G + D -> the op's reverse recurrence with G
-as the piece's final-state gradient. A rank sends 4 HV K (V + K) bytes per exporting piece forward and
-4 HV K V per importing piece backward (padded to the plan's maximum over ranks; it receives W times that),
-whatever T.
+Forward, per rank: a piece in a document's middle either runs the op's state recurrence once more, from [0 | I]
+with [u | 0] (V + K value columns; the kernel reads the zeros, nothing is stored but the final states), or waits
+for its true incoming state (`CPContext.state_exchanges` - 1 pieces per document at most, chosen by the plan). The
+delta rule's state is column-independent in V, so the first V columns of the extra pass end in E, the state from a
+zero start, and the last K in M, the piece's K x K transition. A document's first piece and a waiting piece send
+their true final state (E, no M) from their own pass. Exchange k (an all_gather of [max_fwd_send[k], HV, K, V + K]
+fp32) carries the true state of the (k - 1)-th waiting piece (the first piece for k = 1) and the (E, M) of the
+pieces up to the next waiting one; each piece whose incoming state it completes folds S <- M S + E over them in fp32
+and a fixed order (one launch per step). A waiting piece runs its own pass between exchanges; the rest run it after
+the last exchange, with S as their initial state.
+Backward, per rank, the mirror image: after the in-chunk d(dlt), D is the gradient a piece's start state gets from
+a zero end gradient (the extra reverse pass) or the true one (a document's last piece, whose end gradient is zero,
+and a waiting piece, from the gradient the exchanges so far gave its end); exchange k (an all_gather of
+[max_bwd_send[k], HV, K, V] fp32) carries them; each piece whose end gradient it completes folds G <- M^T G + D
+over the later pieces (M from the forward's gathered buffers), then the op's reverse recurrence with G as the
+piece's final-state gradient. Per exchange a rank sends 4 HV K (V + K) bytes per piece it sends forward and
+4 HV K V backward (padded to the plan's maximum over ranks; it receives W times that), whatever T.
 """
 from __future__ import annotations
 
@@ -65,9 +68,9 @@ def chain(E: torch.Tensor, M: torch.Tensor, table: torch.Tensor, dest: torch.Ten
     step (a step's blocks need the whole previous S), L <= 2W - 1. E / M: gathered buffers viewed [F, HV, K, ld]
     (M already offset to its first column)."""
     n, L = table.shape[0], table.shape[1]
-    HV, K = out.shape[1], out.shape[2]
     if n == 0:
         return
+    HV, K = out.shape[1], out.shape[2]
     br, bc = min(CHAIN_BLOCK, K), min(CHAIN_BLOCK, V)
     cur = torch.zeros(n, HV, K, V, dtype=torch.float32, device=out.device)
     nxt = torch.empty_like(cur)
@@ -91,66 +94,77 @@ def _split_rows(se: torch.Tensor, rows: torch.Tensor) -> tuple:
 
 
 def incoming_states(cp, se: torch.Tensor, u: torch.Tensor, HV: int, K: int, V: int, run_state):
-    """Stage generator (forward): yields this rank's [max_export, HV, K, V + K] buffer, receives the gathered one;
-    returns (h0 [N, HV, K, V] fp32 or None when no piece imports, gathered, se_own: the sequence table of the op's
-    recurrence after the exchange). run_state(se_rows, u_ext, h0_ext, V_ext, own) runs the op's state recurrence over
-    the given sequences (u's V columns, then zeros) and returns their final states [n, HV, K, V_ext] fp32; with `own`
-    (V columns from a zero state) it is those sequences' own pass (per-chunk states and dlt stored). A document's
-    first piece starts from a zero state, so its own pass, run here, gives its E (its M would multiply a zero state:
-    the state chain has none for it); the recurrence after the exchange skips it (its row of se_own empty)."""
+    """Stage generator (forward), one yield per state exchange: yields this rank's [max_fwd_send[k], HV, K, V + K]
+    buffer, receives the gathered one; returns (h0 [N, HV, K, V] fp32 or None when no piece imports, the gathered
+    buffers concatenated in exchange order, se_own: the sequence table of the op's recurrence after the last
+    exchange). run_state(se_rows, u_ext, h0_ext, V_ext, own) runs the op's state recurrence over the given sequences
+    (u's V columns, then zeros) and returns their final states [n, HV, K, V_ext] fp32; with `own` (V columns) it is
+    those sequences' own pass (per-chunk states and dlt stored). Before exchange k a piece that sends a true final
+    state runs its own pass (a document's first piece from a zero state before the first exchange, its M would
+    multiply a zero state; a waiting piece from the incoming state the exchanges so far gave it) and the pieces that
+    send (E, M) run the extra pass; after it, the pieces whose incoming state it completes fold their chains. The
+    recurrence after the last exchange skips the pieces that ran their own pass (their rows of se_own empty)."""
     device = u.device
     VX = V + K
-    buf = torch.zeros(cp.max_export, HV, K, VX, dtype=torch.float32, device=device)
-    pos_both, seg_both, pos_first, seg_first = cp.export_split()
-    se_own = se
-    if seg_first.numel():
-        only_first, se_own = _split_rows(se, seg_first)
-        buf[pos_first, :, :, :V] = run_state(only_first, u, None, V, True).index_select(0, seg_first)
-    if seg_both.numel():  # pieces that import and export: E and M, u's V columns then K columns of 0
-        h0_x = torch.zeros(seg_both.numel(), HV, K, VX, dtype=torch.float32, device=device)
-        h0_x[..., V:] = torch.eye(K, dtype=torch.float32, device=device)
-        buf[pos_both] = run_state(se.index_select(0, seg_both), u, h0_x, VX, False)
-    gathered = yield buf
-    gathered = gathered.view(-1, HV, K, VX)
     h0 = None
-    if cp.n_import:
+    if any(p.imports for p in cp.pieces):
         h0 = torch.zeros(se.shape[0], HV, K, V, dtype=torch.float32, device=device)
-        chain(gathered, gathered[..., V:], cp.state_chain(), cp.import_segs, h0, V, trans=False)
-    return h0, gathered, se_own
+    se_own = se
+    received = []
+    for k in range(1, cp.state_exchanges + 1):
+        t = cp.state_round(k)
+        buf = torch.zeros(cp.max_fwd_send[k - 1], HV, K, VX, dtype=torch.float32, device=device)
+        if t["own_segs"].numel():
+            only, se_own = _split_rows(se_own, t["own_segs"])
+            ends = run_state(only, u, h0 if k > 1 else None, V, True)
+            buf[t["own_pos"], :, :, :V] = ends.index_select(0, t["own_segs"])
+        if t["extra_segs"].numel():  # pieces that import and export: E and M, u's V columns then K columns of 0
+            n = t["extra_segs"].numel()
+            h0_x = torch.zeros(n, HV, K, VX, dtype=torch.float32, device=device)
+            h0_x[..., V:] = torch.eye(K, dtype=torch.float32, device=device)
+            buf[t["extra_pos"]] = run_state(se.index_select(0, t["extra_segs"]), u, h0_x, VX, False)
+        gathered = (yield buf).view(-1, HV, K, VX)
+        received.append(gathered)
+        chain(gathered, gathered[..., V:], t["chain"], t["dest"], h0, V, trans=False)
+    return h0, received[0] if len(received) == 1 else torch.cat(received), se_own
 
 
 def outgoing_grads(cp, se: torch.Tensor, gathered_fwd: torch.Tensor, HV: int, K: int, V: int, run_dh):
-    """Stage generator (backward): yields this rank's [max_import, HV, K, V] buffer of D, receives the gathered one;
-    returns (dht [N, HV, K, V] fp32, None when no piece exports; se_own, the sequence table of the op's reverse pass
-    after the exchange). run_dh(se_rows, own) runs the op's reverse recurrence from a zero end gradient over the
-    given sequences and returns the gradients of their start states [n, HV, K, V] fp32; with `own` it is those
-    sequences' own pass (its per-chunk outputs stored). A document's last piece exports nothing, so its end gradient
-    is zero and its own pass, run here, gives its D; the pass after the exchange skips it (its row of se_own empty)."""
+    """Stage generator (backward), the mirror of `incoming_states`: per state exchange it yields this rank's
+    [max_bwd_send[k], HV, K, V] buffer of D, receives the gathered one; returns (dht [N, HV, K, V] fp32, None when
+    no piece exports; se_own, the sequence table of the op's reverse pass after the last exchange). run_dh(se_rows,
+    dht_rows, own) runs the op's reverse recurrence over the given sequences from the given end-state gradients
+    (None: zero) and returns the gradients of their start states [n, HV, K, V] fp32; with `own` it is those
+    sequences' own pass (its per-chunk outputs stored). A document's last piece (zero end gradient) and a waiting
+    piece (its end gradient from the exchanges so far) run their own pass before the exchange that carries their D;
+    the pass after the last exchange skips them (their rows of se_own empty). M comes from `gathered_fwd`, the
+    forward's gathered buffers."""
     device = gathered_fwd.device
-    buf = torch.zeros(cp.max_import, HV, K, V, dtype=torch.float32, device=device)
-    pos_both, seg_both, pos_last, seg_last = cp.import_split()
+    dht = None
+    if any(p.exports for p in cp.pieces):
+        dht = torch.zeros(se.shape[0], HV, K, V, dtype=torch.float32, device=device)
     se_own = se
-    if seg_last.numel():
-        only_last, se_own = _split_rows(se, seg_last)
-        buf[pos_last] = run_dh(only_last, True).index_select(0, seg_last)
-    if seg_both.numel():
-        buf[pos_both] = run_dh(se.index_select(0, seg_both), False)
-    gathered = (yield buf).view(-1, HV, K, V)
-    if not cp.n_export:
-        return None, se_own
-    dht = torch.zeros(se.shape[0], HV, K, V, dtype=torch.float32, device=device)
-    chain(gathered, gathered_fwd[..., V:], cp.grad_chain(), cp.export_segs, dht, V, trans=True)
+    for k in range(1, cp.state_exchanges + 1):
+        t = cp.grad_round(k)
+        buf = torch.zeros(cp.max_bwd_send[k - 1], HV, K, V, dtype=torch.float32, device=device)
+        if t["own_segs"].numel():
+            only, se_own = _split_rows(se_own, t["own_segs"])
+            buf[t["own_pos"]] = run_dh(only, dht if k > 1 else None, True).index_select(0, t["own_segs"])
+        if t["extra_segs"].numel():
+            buf[t["extra_pos"]] = run_dh(se.index_select(0, t["extra_segs"]), None, False)
+        gathered = (yield buf).view(-1, HV, K, V)
+        chain(gathered, gathered_fwd[..., V:], t["chain"], t["dest"], dht, V, trans=True)
     return dht, se_own
 
 
 def route_plans(device="meta") -> list:
     """CP plans whose simulated ranks launch every CP specialization (an op's routes() runs them on meta tensors):
-    one document over three ranks (a first, a middle and a last piece: the narrow state tiles), and 40 pieces per
-    rank (the wide ones; zigzag gives both first and middle pieces)."""
+    one document over three ranks (a first, a middle and a last piece: the narrow state tiles), and 40 documents in
+    zigzag over three ranks (the wide ones: first, middle, waiting and last pieces)."""
     from miles_ext_kernels.cake._runtime.cp import simulated_contexts
 
     return [simulated_contexts([0, 192], 3, device=device),
-            simulated_contexts(list(range(0, 4 * 41, 4)), 2, layout="zigzag", device=device)]
+            simulated_contexts(list(range(0, 6 * 41, 6)), 3, layout="zigzag", device=device)]
 
 
 def drive(stage):

@@ -219,8 +219,8 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
 
     se_own = se
     if cp is not None:
-        dht, se_own = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x, own: run_dh(
-            se_x, None, True, own)[2])
+        dht, se_own = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x, dht_x, own: run_dh(
+            se_x, dht_x, True, own)[2])
     want_dh0 = initial_state is not None and cp is None
     dhe, dd, dh0 = run_dh(se_own, _c(dht.to(torch.float32), "dht") if dht is not None else None, want_dh0)
     pdt = _pdt(tab, dt)

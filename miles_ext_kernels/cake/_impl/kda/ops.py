@@ -287,8 +287,8 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
 
     se_own = se
     if cp is not None:
-        dht, se_own = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x, own: run_dh(
-            se_x, None, (se_x.shape[0], HV, K, V), own)[2])
+        dht, se_own = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x, dht_x, own:
+            run_dh(se_x, dht_x, (se_x.shape[0], HV, K, V), own)[2])
     want_dh0 = initial_state is not None and cp is None
     dhe, dd, dh0 = run_dh(se_own, _c(dht.to(torch.float32), "dht") if dht is not None else None,
                           initial_state.shape if want_dh0 else None)
