@@ -71,7 +71,8 @@ ON_CPU = {
     "kda": {"kda": {"cake det"}},
     "cp": {"cp": {"plain (one call)"} | {f"{kind} W={w} {layout}" for kind in ("cp", "per-rank")
                                         for layout, w in (("contiguous", 2), ("contiguous", 4), ("contiguous", 8),
-                                                          ("zigzag", 4))}},
+                                                          ("zigzag", 4))}
+                                       | {f"cp W=4 zigzag E={e}" for e in (1, 3, 4)}},
     "conv1d": {"conv1d": {"cake det", "cake fast", "torch F.conv1d/doc"}},
     "norms": {"rmsnorm": {"cake det", "cake fast", "eager"}, "gated_rmsnorm": {"cake det", "cake fast", "eager"}},
 }
