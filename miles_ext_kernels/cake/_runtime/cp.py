@@ -233,6 +233,17 @@ class CPContext:
                           for k in range(1, self.state_exchanges + 1)]
         self.max_fwd_send = [max(1, max(len(x) for x in rnd)) for rnd in self.fwd_sends]
         self.max_bwd_send = [max(1, max(len(x) for x in rnd)) for rnd in self.bwd_sends]
+        # host lookups the tables below make per piece (a plan may hold thousands of documents)
+        self._by_doc: dict = {}
+        for p in sorted(every, key=lambda p: (p.doc, p.index)):
+            self._by_doc.setdefault(p.doc, []).append(p)
+
+        def positions(lists):
+            return [{seg: i for i, seg in enumerate(lst)} for lst in lists]
+
+        self._export_pos, self._import_pos = positions(self.export_slots), positions(self.import_slots)
+        self._fwd_pos = [positions(rnd) for rnd in self.fwd_sends]
+        self._bwd_pos = [positions(rnd) for rnd in self.bwd_sends]
 
     # ------------------------------------------------------------------------------------------------ tables
     def _tensor(self, key, rows, dtype=torch.int64):
@@ -241,7 +252,7 @@ class CPContext:
         return self._cache[key]
 
     def _doc_pieces(self, doc: int) -> list:
-        return sorted((p for lst in self.all_pieces for p in lst if p.doc == doc), key=lambda p: p.index)
+        return self._by_doc[doc]
 
     @property
     def export_segs(self) -> torch.Tensor:
@@ -265,8 +276,8 @@ class CPContext:
     def _send_slot(self, p: Piece, k: int, fwd: bool, concat: bool = False) -> int:
         """Flat index of piece p's slot in exchange k's gathered [W, max_send, ...] buffer (`concat`: in the
         forward's gathered buffers concatenated in exchange order, where the backward reads M)."""
-        sends, width = (self.fwd_sends, self.max_fwd_send) if fwd else (self.bwd_sends, self.max_bwd_send)
-        flat = p.rank * width[k - 1] + sends[k - 1][p.rank].index(p.seg)
+        pos, width = (self._fwd_pos, self.max_fwd_send) if fwd else (self._bwd_pos, self.max_bwd_send)
+        flat = p.rank * width[k - 1] + pos[k - 1][p.rank][p.seg]
         return flat + (self.world * sum(self.max_fwd_send[:k - 1]) if concat else 0)
 
     def _round(self, k: int, fwd: bool) -> dict:
@@ -370,13 +381,13 @@ class CPContext:
                 if not p.imports:
                     continue
                 dp = self._doc_pieces(p.doc)[:p.index]
-                i = self.import_slots[p.rank].index(p.seg)
+                i = self._import_pos[p.rank][p.seg]
                 for k in range(1, width):
                     src = source(dp, p.start - k)
                     if src is None:
                         continue
                     q, r = src
-                    e = self.export_slots[q.rank].index(q.seg)
+                    e = self._export_pos[q.rank][q.seg]
                     if p.rank == self.rank:
                         state[p.seg][width - k] = (q.rank * self.max_export + e) * R + r
                     users.setdefault((q.rank, e, r), []).append((p.rank * self.max_import + i) * R + (k - 1))

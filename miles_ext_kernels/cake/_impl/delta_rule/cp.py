@@ -107,7 +107,7 @@ def incoming_states(cp, se: torch.Tensor, u: torch.Tensor, HV: int, K: int, V: i
     device = u.device
     VX = V + K
     h0 = None
-    if any(p.imports for p in cp.pieces):
+    if cp.n_import:
         h0 = torch.zeros(se.shape[0], HV, K, V, dtype=torch.float32, device=device)
     se_own = se
     received = []
@@ -141,7 +141,7 @@ def outgoing_grads(cp, se: torch.Tensor, gathered_fwd: torch.Tensor, HV: int, K:
     forward's gathered buffers."""
     device = gathered_fwd.device
     dht = None
-    if any(p.exports for p in cp.pieces):
+    if cp.n_export:
         dht = torch.zeros(se.shape[0], HV, K, V, dtype=torch.float32, device=device)
     se_own = se
     for k in range(1, cp.state_exchanges + 1):
