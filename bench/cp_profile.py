@@ -2,7 +2,8 @@
 each rank's tokens (bench/cp.py's "cp" and "per-rank" providers), side by side (torch.profiler, fwd + bwd, N steps
 after warm-up; run from the repository root on a GPU).
 
-    python bench/cp_profile.py [--op gdn|kda] [--lens 131072x1] [--layout contiguous|zigzag] [--W 8] [--steps 5]
+    python bench/cp_profile.py [--op gdn|kda] [--lens 131072x1] [--layout contiguous|zigzag] [--W 8]
+        [--exchanges E] [--steps 5]
 
 Prints one row per kernel name: ms per step under CP, per-rank, the difference and its launch counts; the rows
 sorted by the difference (the kernels CP adds or slows first)."""
@@ -24,6 +25,7 @@ ap.add_argument("--op", choices=tuple(C.OPS), default="gdn")
 ap.add_argument("--lens", default="131072x1")
 ap.add_argument("--layout", choices=("contiguous", "zigzag"), default="contiguous")
 ap.add_argument("--W", type=int, default=8)
+ap.add_argument("--exchanges", type=int, default=None, help="state_exchanges (default: the layout's)")
 ap.add_argument("--steps", type=int, default=5)
 args = ap.parse_args()
 length, count = (int(v) for v in args.lens.split("x"))
@@ -48,12 +50,12 @@ def per_kernel(make_calls):
     return out
 
 
-cp = per_kernel(C.simulated(args.layout, args.W))
+cp = per_kernel(C.simulated(args.layout, args.W, args.exchanges))
 ref = per_kernel(C.per_rank(args.layout, args.W))
 names = sorted(set(cp) | set(ref), key=lambda n: -(cp[n][0] - ref[n][0]))
 tot_cp, tot_ref = sum(v[0] for v in cp.values()), sum(v[0] for v in ref.values())
-print(f"{args.op} {args.lens} {args.layout} W={args.W}: CP {tot_cp:.3f} ms/step, per-rank {tot_ref:.3f} "
-      f"({tot_cp / tot_ref:.3f}x), {torch.cuda.get_device_name()}")
+print(f"{args.op} {args.lens} {args.layout} W={args.W} E={args.exchanges}: CP {tot_cp:.3f} ms/step, "
+      f"per-rank {tot_ref:.3f} ({tot_cp / tot_ref:.3f}x), {torch.cuda.get_device_name()}")
 print(f"{'CP ms':>9} {'rank ms':>9} {'diff':>8} {'calls':>11}  kernel")
 for n in names:
     c, r = cp[n], ref[n]
