@@ -273,12 +273,26 @@ class CPContext:
         return len(self.import_slots[self.rank])
 
     # ------------------------------------------------------------------------------ gdn / kda state exchanges
-    def _send_slot(self, p: Piece, k: int, fwd: bool, concat: bool = False) -> int:
-        """Flat index of piece p's slot in exchange k's gathered [W, max_send, ...] buffer (`concat`: in the
-        forward's gathered buffers concatenated in exchange order, where the backward reads M)."""
+    def _send_slot(self, p: Piece, k: int, fwd: bool) -> int:
+        """Flat index of piece p's slot in exchange k's gathered [W, max_send, ...] buffer."""
         pos, width = (self._fwd_pos, self.max_fwd_send) if fwd else (self._bwd_pos, self.max_bwd_send)
-        flat = p.rank * width[k - 1] + pos[k - 1][p.rank][p.seg]
-        return flat + (self.world * sum(self.max_fwd_send[:k - 1]) if concat else 0)
+        return p.rank * width[k - 1] + pos[k - 1][p.rank][p.seg]
+
+    def _grad_chain(self, p: Piece) -> list:
+        """The pieces whose D folds into piece p's end-state gradient: the later pieces of its document up to the
+        first one that sends a true gradient, that one first."""
+        chain = self._doc_pieces(p.doc)[p.index + 1:]
+        last = min(i for i, q in enumerate(chain) if q.index == q.count - 1 or q.waits)
+        return chain[:last + 1][::-1]
+
+    def _kept_m(self) -> dict:
+        """{(forward exchange, flat slot): row} of the M the backward's chains read, rows in (exchange, slot)
+        order: the forward keeps only these of its gathered buffers (their last K columns) for the backward."""
+        if "kept_m" not in self._cache:
+            need = sorted({(q.fwd_send, self._send_slot(q, q.fwd_send, True))
+                           for p in self.pieces if p.exports for q in self._grad_chain(p)[1:]})
+            self._cache["kept_m"] = {key: row for row, key in enumerate(need)}
+        return self._cache["kept_m"]
 
     def _round(self, k: int, fwd: bool) -> dict:
         key = ("round", k, fwd)
@@ -302,12 +316,10 @@ class CPContext:
                 rows.append([(self._send_slot(q, k, True), -1 if i == 0 else self._send_slot(q, k, True))
                              for i, q in enumerate(chain)])
             else:    # the later pieces from the first one that sends a true gradient, back to p
-                chain = doc[p.index + 1:]
-                last = min(i for i, q in enumerate(chain) if q.index == q.count - 1 or q.waits)
-                chain = chain[:last + 1][::-1]
+                kept = self._kept_m()
                 rows.append([(self._send_slot(q, k, False),
-                              -1 if i == 0 else self._send_slot(q, q.fwd_send, True, concat=True))
-                             for i, q in enumerate(chain)])
+                              -1 if i == 0 else kept[(q.fwd_send, self._send_slot(q, q.fwd_send, True))])
+                             for i, q in enumerate(self._grad_chain(p))])
             dest.append(p.seg)
 
         def t(xs):
@@ -316,6 +328,8 @@ class CPContext:
         out = {"own_pos": t([x for x, _ in own]), "own_segs": t([x for _, x in own]),
                "extra_pos": t([x for x, _ in extra]), "extra_segs": t([x for _, x in extra]),
                "chain": _padded(rows, self.device), "dest": t(dest)}
+        if fwd:
+            out["keep"] = t([slot for (x, slot) in self._kept_m() if x == k])
         self._cache[key] = out
         return out
 
@@ -327,16 +341,18 @@ class CPContext:
         extra_segs / extra_pos   those that send (E, M) from the extra state pass;
         chain [n, L, 2], dest [n]   per local document whose incoming state this exchange completes, the (E, M)
                              flat slots of the exchange's gathered buffer in recurrence order, starting from the
-                             last earlier piece that sent a true state (M = -1): S <- M S + E from S = 0."""
+                             last earlier piece that sent a true state (M = -1): S <- M S + E from S = 0;
+        keep [F_k]           the flat slots of the exchange's gathered buffer whose M this rank's backward reads
+                             (kept, in exchange then slot order: the rows `grad_round`'s M slots index)."""
         return self._round(k, True)
 
     def grad_round(self, k: int) -> dict:
         """The backward's exchange k, the mirror of `state_round`: own_* the pieces whose own reverse pass (from
         their end-state gradient, known by now; a document's last piece from zero) gives the true gradient D of
         their start state, extra_* those whose D comes from the extra reverse pass, and per local document whose
-        end-state gradient this exchange completes, the (D slot in this exchange's gathered buffer, M slot in the
-        forward's gathered buffers concatenated in exchange order) of the later pieces from the first one that sent
-        a true gradient (M = -1) back: G <- M^T G + D from G = 0."""
+        end-state gradient this exchange completes, the (D slot in this exchange's gathered buffer, row of the M the
+        forward kept, `state_round`'s "keep") of the later pieces from the first one that sent a true gradient
+        (M = -1) back: G <- M^T G + D from G = 0."""
         return self._round(k, False)
 
     def halo_tables(self, width: int) -> dict:

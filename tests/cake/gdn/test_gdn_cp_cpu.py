@@ -101,11 +101,12 @@ def test_plan_pieces_and_tables():
     assert (t0["own_segs"].tolist(), t0["extra_segs"].tolist()) == ([0], [])
     assert (t1["own_segs"].tolist(), t1["extra_segs"].tolist()) == ([], [0])
     # the backward's D: rank 1's piece from the extra reverse pass, rank 2's (the document's last) from its own pass;
-    # rank 0's piece folds rank 2's D (no M) then rank 1's with rank 1's M (forward slot 1)
+    # rank 0's piece folds rank 2's D (no M) then rank 1's with rank 1's M (forward slot 1, the one M rank 0 keeps)
     g0, g1, g2 = (r.grad_round(1) for r in ranks)
+    assert [r.state_round(1)["keep"].tolist() for r in ranks] == [[1], [], []]
     assert (g1["own_segs"].tolist(), g1["extra_segs"].tolist()) == ([], [0])
     assert (g2["own_segs"].tolist(), g2["extra_segs"].tolist()) == ([0], [])
-    assert g0["chain"].tolist() == [[[2, -1], [1, 1]]]
+    assert g0["chain"].tolist() == [[[2, -1], [1, 0]]]
     assert g2["chain"].shape[0] == 0 and g2["dest"].numel() == 0
     zz, _ = rcp.plan([0, 8], 2, "zigzag")
     assert [(p.start, p.end) for p in zz[0]] == [(0, 2), (6, 8)]
@@ -139,9 +140,10 @@ def test_plan_waiting_pieces():
     # exchange 2: the merged piece (rank 3, no M), then pieces 5 (rank 2) and 6 (rank 1)
     assert ranks[3].state_round(1)["chain"].tolist() == [[[0, -1], [1, 1], [2, 2]]]
     assert ranks[0].state_round(2)["chain"].tolist() == [[[3, -1], [2, 2], [1, 1]]]
-    # backward, exchange 1: the merged piece's end gradient from pieces 7 (D only), 6, 5 with their M in the forward's
-    # second exchange (flat slots 4 + rank)
-    assert ranks[3].grad_round(1)["chain"].tolist() == [[[0, -1], [1, 5], [2, 6]]]
+    # backward, exchange 1: the merged piece's end gradient from pieces 7 (D only), 6, 5 with their M from the
+    # forward's second exchange (flat slots 1 and 2 there), the only rows rank 3 keeps
+    assert [ranks[3].state_round(k)["keep"].tolist() for k in (1, 2)] == [[], [1, 2]]
+    assert ranks[3].grad_round(1)["chain"].tolist() == [[[0, -1], [1, 0], [2, 1]]]
     w4 = rcp.simulated_contexts([0, 64], 4, layout="zigzag", state_exchanges=4)
     assert w4[0].state_exchanges == 4
     assert [p.start // 8 for r in w4 for p in r.pieces if p.waits] == [6, 5, 3]

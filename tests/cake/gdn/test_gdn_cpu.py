@@ -319,14 +319,14 @@ def test_routes_are_the_launchers_launches():
     """routes() runs the launchers on meta tensors over every flag: 34 distinct specializations (the table kernel for
     int32 and int64 cu_seqlens; the state kernels with and without initial / final state, wide and narrow; context
     parallelism's final-state-only passes (forward over V + K columns, backward storing only dh0; a document's first
-    and last pieces take the plain routes), wide and narrow, and its chain step, both directions),
+    and last pieces take the plain routes), wide and narrow, and its chain, both directions),
     each recorded from a real launch site, so none can drift from what a call launches."""
     rs = ops.routes(128, 128)
     labels = [r.label for r in rs]
     assert len(labels) == len(set(labels)) == 34
     assert sum(lab.startswith("chunk_table_kernel[") for lab in labels) == 2
     assert sum(lab.startswith("fwd_h_kernel[") for lab in labels) == 10
-    assert sum(lab.startswith("chain_step_kernel[") for lab in labels) == 2
+    assert sum(lab.startswith("chain_kernel[") for lab in labels) == 2
     assert sum(lab.startswith("bwd_dh_kernel[") for lab in labels) == 10
     assert sum("STORE_DHE=False" in lab for lab in labels) == 2
     with pytest.raises(ValueError, match="head dims"):

@@ -317,7 +317,7 @@ def test_routes_are_the_launchers_launches():
     kernels with and without initial / final state, in both layouts, wide and narrow (the narrow ones on the shipped
     DECAYED route, with its operand kernel with and without q); context parallelism's
     final-state-only passes (forward over V + K columns, backward storing only dh0; a document's first and last
-    pieces take the op's own routes), wide and narrow, and its chain step, both directions), each recorded
+    pieces take the op's own routes), wide and narrow, and its chain, both directions), each recorded
     from a real launch site, so none can drift from what a call launches."""
     rs = ops.routes(128, 128)
     labels = [r.label for r in rs]
@@ -328,7 +328,7 @@ def test_routes_are_the_launchers_launches():
     assert count("fwd_h_kernel[") == 18 and count("bwd_dh_kernel[") == 18
     assert count("decayed_kernel[") == 2 and sum("DECAYED=True" in lab for lab in labels) == 18  # narrow, CP's too
     assert sum("STORE_DHE=False" in lab for lab in labels) == 2
-    assert count("chain_step_kernel[") == 2
+    assert count("chain_kernel[") == 2
     assert count("gate_sum_kernel[") == count("bwd_dense_kernel[") == count("bwd_intra_kernel[") == 1
     assert count("fwd_grams_kernel[") == count("fwd_inv_kernel[") == 1
     assert any("TRANS_STATE=True" in lab for lab in labels) and any("GATE=2" in lab for lab in labels)

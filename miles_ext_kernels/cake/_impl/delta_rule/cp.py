@@ -9,15 +9,16 @@ zero start, and the last K in M, the piece's K x K transition. A document's firs
 their true final state (E, no M) from their own pass. Exchange k (an all_gather of [max_fwd_send[k], HV, K, V + K]
 fp32) carries the true state of the (k - 1)-th waiting piece (the first piece for k = 1) and the (E, M) of the
 pieces up to the next waiting one; each piece whose incoming state it completes folds S <- M S + E over them in fp32
-and a fixed order (one launch per step). A waiting piece runs its own pass between exchanges; the rest run it after
+and a fixed order (one launch per exchange). A waiting piece runs its own pass between exchanges; the rest run it after
 the last exchange, with S as their initial state.
 Backward, per rank, the mirror image: after the in-chunk d(dlt), D is the gradient a piece's start state gets from
 a zero end gradient (the extra reverse pass) or the true one (a document's last piece, whose end gradient is zero,
 and a waiting piece, from the gradient the exchanges so far gave its end); exchange k (an all_gather of
 [max_bwd_send[k], HV, K, V] fp32) carries them; each piece whose end gradient it completes folds G <- M^T G + D
-over the later pieces (M from the forward's gathered buffers), then the op's reverse recurrence with G as the
-piece's final-state gradient. Per exchange a rank sends 4 HV K (V + K) bytes per piece it sends forward and
-4 HV K V backward (padded to the plan's maximum over ranks; it receives W times that), whatever T.
+over the later pieces (M: the rows of the forward's gathered buffers the rank kept for it), then the op's reverse
+recurrence with G as the piece's final-state gradient. Per exchange a rank sends 4 HV K (V + K) bytes per piece it
+sends forward and 4 HV K V backward (padded to the plan's maximum over ranks; it receives W times that), whatever T.
+The forward keeps for the backward only the M its chains read (K x K per piece), not the gathered buffers.
 """
 from __future__ import annotations
 
@@ -27,59 +28,61 @@ import triton.language as tl
 
 from miles_ext_kernels.cake._runtime.launch import launch
 
-CHAIN_BLOCK = 32  # output rows and columns per program of a chain step
+CHAIN_COLS = 32  # state columns per program of a chain: a column block of S folds independently of the others
+CHAIN_ROWS = 32  # rows of S per product of a chain step (its M operand is K x CHAIN_ROWS)
 
 
-@triton.jit(do_not_specialize=["step", "L", "HV", "ldE", "ldM"])
-def chain_step_kernel(E, M, table, S_in, S_out, step, L, HV, ldE, ldM, K: tl.constexpr, V: tl.constexpr,
-                      BR: tl.constexpr, BC: tl.constexpr, TRANS: tl.constexpr):
-    """One step of the chains of `table` ([n, L, 2] (E slot, M slot)): S_out[i] = op(M[m]) S_in[i] + E[e] (m = -1: no
-    transition; e = -1, padding: S_out[i] = S_in[i]); op = transpose under TRANS. A BR x BC block of S [n, HV, K, V]
-    per program, fp32 products over K in a fixed order. E [F, HV, K, ldE], M [F, HV, K, ldM] (first V / K columns
-    read)."""
+@triton.jit(do_not_specialize=["L", "HV", "ldE", "ldM"])
+def chain_kernel(E, M, table, dest, out, work, L, HV, ldE, ldM, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
+                 KB: tl.constexpr, TRANS: tl.constexpr):
+    """The chains of `table` ([n, L, 2] (E slot, M slot)) into out[dest[i]]: from S = 0, per step S <- op(M[m]) S +
+    E[e] (m = -1: no transition, S <- S + E; e = -1, padding: S unchanged); op = transpose under TRANS. Columns of S
+    fold independently, so one program runs all L steps of a K x BC column block of S [n, HV, K, V]; S goes through
+    `work` (its own block, [n, HV, K, V] fp32) between steps, read back KB rows at a time for the products. fp32
+    products over K in a fixed order. E [F, HV, K, ldE], M [F, HV, K, ldM] (first V / K columns read)."""
     i = tl.program_id(0)
     hv = tl.program_id(1)
-    nc = V // BC
-    ir = tl.program_id(2) // nc
-    ic = tl.program_id(2) % nc
-    o_r = ir * BR + tl.arange(0, BR)
-    o_c = ic * BC + tl.arange(0, BC)
     o_k = tl.arange(0, K)
-    e = tl.load(table + (i * L + step) * 2)
-    m = tl.load(table + (i * L + step) * 2 + 1)
-    st = (i * HV + hv).to(tl.int64) * (K * V)
-    out = tl.load(S_in + st + o_r[:, None] * V + o_c[None, :])
-    if e >= 0:
-        if m >= 0:
-            base = M + (m * HV + hv) * K * ldM
-            if TRANS:
-                b_m = tl.load(base + o_k[None, :] * ldM + o_r[:, None])
-            else:
-                b_m = tl.load(base + o_r[:, None] * ldM + o_k[None, :])
-            b_s = tl.load(S_in + st + o_k[:, None] * V + o_c[None, :])
-            out = tl.dot(b_m, b_s, input_precision="ieee")
-        out += tl.load(E + (e * HV + hv) * K * ldE + o_r[:, None] * ldE + o_c[None, :])
-    tl.store(S_out + st + o_r[:, None] * V + o_c[None, :], out)
+    o_kb = tl.arange(0, KB)
+    o_c = tl.program_id(2) * BC + tl.arange(0, BC)
+    blk = work + (i * HV + hv).to(tl.int64) * (K * V)
+    s = tl.zeros([K, BC], dtype=tl.float32)
+    for step in range(L):
+        e = tl.load(table + (i * L + step) * 2)
+        m = tl.load(table + (i * L + step) * 2 + 1)
+        if e >= 0:
+            if m >= 0:
+                base = M + (m * HV + hv).to(tl.int64) * K * ldM
+                acc = tl.zeros([K, BC], dtype=tl.float32)
+                for kb in tl.static_range(0, K, KB):
+                    if TRANS:
+                        b_m = tl.load(base + (kb + o_kb)[None, :] * ldM + o_k[:, None])
+                    else:
+                        b_m = tl.load(base + o_k[:, None] * ldM + (kb + o_kb)[None, :])
+                    b_s = tl.load(blk + (kb + o_kb)[:, None] * V + o_c[None, :])
+                    acc += tl.dot(b_m, b_s, input_precision="ieee")
+                s = acc
+                tl.debug_barrier()  # every thread has read S before any overwrites it
+            s += tl.load(E + (e * HV + hv).to(tl.int64) * K * ldE + o_k[:, None] * ldE + o_c[None, :])
+            tl.store(blk + o_k[:, None] * V + o_c[None, :], s)
+            tl.debug_barrier()  # the block's S is written before the next step reads its rows
+    d = tl.load(dest + i)
+    tl.store(out + (d * HV + hv).to(tl.int64) * (K * V) + o_k[:, None] * V + o_c[None, :], s)
 
 
 def chain(E: torch.Tensor, M: torch.Tensor, table: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, V: int,
           trans: bool) -> None:
-    """Fold `table` ([n, L, 2] (E slot, M slot)) into out[dest] ([N, HV, K, V] fp32) from S = 0: one launch per
-    step (a step's blocks need the whole previous S), L <= 2W - 1. E / M: gathered buffers viewed [F, HV, K, ld]
-    (M already offset to its first column)."""
+    """Fold `table` ([n, L, 2] (E slot, M slot)) into out[dest] ([N, HV, K, V] fp32) from S = 0, one launch
+    (L <= 2W - 1 steps per program). E / M: gathered buffers viewed [F, HV, K, ld] (M already offset to its first
+    column)."""
     n, L = table.shape[0], table.shape[1]
     if n == 0:
         return
     HV, K = out.shape[1], out.shape[2]
-    br, bc = min(CHAIN_BLOCK, K), min(CHAIN_BLOCK, V)
-    cur = torch.zeros(n, HV, K, V, dtype=torch.float32, device=out.device)
-    nxt = torch.empty_like(cur)
-    for step in range(L):
-        launch(chain_step_kernel, (n, HV, (K // br) * (V // bc)), E=E, M=M, table=table, S_in=cur, S_out=nxt,
-               step=step, L=L, HV=HV, ldE=E.stride(2), ldM=M.stride(2), K=K, V=V, BR=br, BC=bc, TRANS=trans,
-               num_warps=4)
-        cur, nxt = nxt, cur
-    out.index_copy_(0, dest, cur)
+    bc, kb = min(CHAIN_COLS, V), min(CHAIN_ROWS, K)
+    work = torch.empty(n, HV, K, V, dtype=torch.float32, device=out.device)
+    launch(chain_kernel, (n, HV, V // bc), E=E, M=M, table=table, dest=dest, out=out, work=work, L=L, HV=HV,
+           ldE=E.stride(2), ldM=M.stride(2), K=K, V=V, BC=bc, KB=kb, TRANS=trans, num_warps=8)
 
 
 def _split_rows(se: torch.Tensor, rows: torch.Tensor) -> tuple:
@@ -95,25 +98,28 @@ def _split_rows(se: torch.Tensor, rows: torch.Tensor) -> tuple:
 
 def incoming_states(cp, se: torch.Tensor, u: torch.Tensor, HV: int, K: int, V: int, run_state):
     """Stage generator (forward), one yield per state exchange: yields this rank's [max_fwd_send[k], HV, K, V + K]
-    buffer, receives the gathered one; returns (h0 [N, HV, K, V] fp32 or None when no piece imports, the gathered
-    buffers concatenated in exchange order, se_own: the sequence table of the op's recurrence after the last
-    exchange). run_state(se_rows, u_ext, h0_ext, V_ext, own) runs the op's state recurrence over the given sequences
-    (u's V columns, then zeros) and returns their final states [n, HV, K, V_ext] fp32; with `own` (V columns) it is
-    those sequences' own pass (per-chunk states and dlt stored). Before exchange k a piece that sends a true final
-    state runs its own pass (a document's first piece from a zero state before the first exchange, its M would
-    multiply a zero state; a waiting piece from the incoming state the exchanges so far gave it) and the pieces that
-    send (E, M) run the extra pass; after it, the pieces whose incoming state it completes fold their chains. The
-    recurrence after the last exchange skips the pieces that ran their own pass (their rows of se_own empty)."""
+    buffer, receives the gathered one; returns (h0 [N, HV, K, V] fp32 or None when no piece imports, kept_m
+    [F, HV, K, K] fp32: the transitions M the backward's chains read (`state_round`'s "keep" rows of each gathered
+    buffer, in exchange order; not the whole buffers, which hold W times a rank's sends), se_own: the sequence table
+    of the op's recurrence after the last exchange). run_state(se_rows, u_ext, h0_ext, V_ext, own) runs the op's
+    state recurrence over the given sequences (u's V columns, then zeros) and returns their final states
+    [n, HV, K, V_ext] fp32; with `own` (V columns) it is those sequences' own pass (per-chunk states and dlt stored).
+    Before exchange k a piece that sends a true final state runs its own pass (a document's first piece from a zero
+    state before the first exchange, its M would multiply a zero state; a waiting piece from the incoming state the
+    exchanges so far gave it) and the pieces that send (E, M) run the extra pass; after it, the pieces whose incoming
+    state it completes fold their chains. The recurrence after the last exchange skips the pieces that ran their own
+    pass (their rows of se_own empty)."""
     device = u.device
     VX = V + K
     h0 = None
     if cp.n_import:
         h0 = torch.zeros(se.shape[0], HV, K, V, dtype=torch.float32, device=device)
     se_own = se
-    received = []
+    kept = []
     for k in range(1, cp.state_exchanges + 1):
         t = cp.state_round(k)
-        buf = torch.zeros(cp.max_fwd_send[k - 1], HV, K, VX, dtype=torch.float32, device=device)
+        # slots past the rank's sends and the M columns of a true state are padding no chain reads
+        buf = torch.empty(cp.max_fwd_send[k - 1], HV, K, VX, dtype=torch.float32, device=device)
         if t["own_segs"].numel():
             only, se_own = _split_rows(se_own, t["own_segs"])
             ends = run_state(only, u, h0 if k > 1 else None, V, True)
@@ -124,12 +130,15 @@ def incoming_states(cp, se: torch.Tensor, u: torch.Tensor, HV: int, K: int, V: i
             h0_x[..., V:] = torch.eye(K, dtype=torch.float32, device=device)
             buf[t["extra_pos"]] = run_state(se.index_select(0, t["extra_segs"]), u, h0_x, VX, False)
         gathered = (yield buf).view(-1, HV, K, VX)
-        received.append(gathered)
+        if t["keep"].numel():
+            kept.append(gathered[..., V:].index_select(0, t["keep"]))
         chain(gathered, gathered[..., V:], t["chain"], t["dest"], h0, V, trans=False)
-    return h0, received[0] if len(received) == 1 else torch.cat(received), se_own
+    kept_m = kept[0] if len(kept) == 1 else (torch.cat(kept) if kept else
+                                               torch.empty(0, HV, K, K, dtype=torch.float32, device=device))
+    return h0, kept_m, se_own
 
 
-def outgoing_grads(cp, se: torch.Tensor, gathered_fwd: torch.Tensor, HV: int, K: int, V: int, run_dh):
+def outgoing_grads(cp, se: torch.Tensor, kept_m: torch.Tensor, HV: int, K: int, V: int, run_dh):
     """Stage generator (backward), the mirror of `incoming_states`: per state exchange it yields this rank's
     [max_bwd_send[k], HV, K, V] buffer of D, receives the gathered one; returns (dht [N, HV, K, V] fp32, None when
     no piece exports; se_own, the sequence table of the op's reverse pass after the last exchange). run_dh(se_rows,
@@ -137,23 +146,23 @@ def outgoing_grads(cp, se: torch.Tensor, gathered_fwd: torch.Tensor, HV: int, K:
     (None: zero) and returns the gradients of their start states [n, HV, K, V] fp32; with `own` it is those
     sequences' own pass (its per-chunk outputs stored). A document's last piece (zero end gradient) and a waiting
     piece (its end gradient from the exchanges so far) run their own pass before the exchange that carries their D;
-    the pass after the last exchange skips them (their rows of se_own empty). M comes from `gathered_fwd`, the
-    forward's gathered buffers."""
-    device = gathered_fwd.device
+    the pass after the last exchange skips them (their rows of se_own empty). M comes from `kept_m`, the rows the
+    forward kept."""
+    device = kept_m.device
     dht = None
     if cp.n_export:
         dht = torch.zeros(se.shape[0], HV, K, V, dtype=torch.float32, device=device)
     se_own = se
     for k in range(1, cp.state_exchanges + 1):
         t = cp.grad_round(k)
-        buf = torch.zeros(cp.max_bwd_send[k - 1], HV, K, V, dtype=torch.float32, device=device)
+        buf = torch.empty(cp.max_bwd_send[k - 1], HV, K, V, dtype=torch.float32, device=device)
         if t["own_segs"].numel():
             only, se_own = _split_rows(se_own, t["own_segs"])
             buf[t["own_pos"]] = run_dh(only, dht if k > 1 else None, True).index_select(0, t["own_segs"])
         if t["extra_segs"].numel():
             buf[t["extra_pos"]] = run_dh(se.index_select(0, t["extra_segs"]), None, False)
         gathered = (yield buf).view(-1, HV, K, V)
-        chain(gathered, gathered_fwd[..., V:], t["chain"], t["dest"], dht, V, trans=True)
+        chain(gathered, kept_m, t["chain"], t["dest"], dht, V, trans=True)
     return dht, se_own
 
 

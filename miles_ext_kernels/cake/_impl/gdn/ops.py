@@ -118,7 +118,8 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 def forward_stage(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2, keep_state,
                   cp=None):
     """gdn_forward as a stage generator: under a CP context (`cp`, whose cu_seqlens the call reads) it exchanges
-    states with the other ranks before the recurrence (`delta_rule/cp.py`) and also returns the gathered buffer."""
+    states with the other ranks before the recurrence (`delta_rule/cp.py`) and also returns (h0, kept_m: the
+    transitions its backward reads)."""
     tab, (B, T, H, K, HV, V), q, k, v = _operands(q, k, v, use_l2)
     device, dt, Tt = q.device, q.dtype, B * T
     # the L2 norm first: the GPU runs it while the host prepares the chunk table and the next launches (launched
@@ -139,7 +140,7 @@ def forward_stage(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
     # under CP, w and u outlive the exchange (other ranks' stages may run in between): no scratch
     w, u = _wu(tab, kk, v, bf, gc, A, se, table, H, HV, K, V, P, device, dt, ws=not keep_state and cp is None,
                ws_u=cp is None)
-    gathered = None
+    kept_m = None
     se_own, out = se, None
     if cp is not None:
         # the per-chunk states and dlt: a document's first piece fills its part before the exchange
@@ -149,7 +150,7 @@ def forward_stage(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
             return _fwd_state(tab, kk, w, u_x, gc, se_x, h0_x, se_x.shape[0], HV, H, K, VX, P, True, device, dt,
                               ws_prefix=None, store_h=own, out=out)[2]
 
-        h0, gathered, se_own = yield from cp_core.incoming_states(cp, se, u, HV, K, V, run_state)
+        h0, kept_m, se_own = yield from cp_core.incoming_states(cp, se, u, HV, K, V, run_state)
     h, vn, ht = _fwd_state(tab, kk, w, u, gc, se_own, h0, N, HV, H, K, V, P, output_final_state, device, dt,
                            ws_prefix=None if keep_state else "f_", out=out)
     o = torch.empty(B, T, HV, V, dtype=dt, device=device)
@@ -160,7 +161,7 @@ def forward_stage(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
     if not use_l2:
         qn, kk = _empty0(device, dt), _empty0(device, dt)
     res = (o, ht, qn, kk, gc, A, w, h, vn, se, table)
-    return res if cp is None else (res, h0, gathered)
+    return res if cp is None else (res, h0, kept_m)
 
 
 def gdn_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
@@ -176,9 +177,9 @@ def gdn_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: tor
 
 
 def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h, vn, se, table, scale, use_l2,
-                   keep_state, output_final_state=True, cp=None, gathered_fwd=None):
+                   keep_state, output_final_state=True, cp=None, kept_m=None):
     """gdn_backward as a stage generator: under a CP context (`cp`; `initial_state` then the forward's incoming
-    states, `gathered_fwd` its gathered buffer) it exchanges state gradients with the other ranks before the reverse
+    states, `kept_m` the transitions it kept) it exchanges state gradients with the other ranks before the reverse
     recurrence and returns no dh0."""
     tab, (B, T, H, K, HV, V), q, k, v = _operands(q, k, v, use_l2)
     device, dt, Tt = q.device, q.dtype, B * T
@@ -219,7 +220,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, initial_state, gc, A, w, h
 
     se_own = se
     if cp is not None:
-        dht, se_own = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x, dht_x, own: run_dh(
+        dht, se_own = yield from cp_core.outgoing_grads(cp, se, kept_m, HV, K, V, lambda se_x, dht_x, own: run_dh(
             se_x, dht_x, True, own)[2])
     want_dh0 = initial_state is not None and cp is None
     dhe, dd, dh0 = run_dh(se_own, _c(dht.to(torch.float32), "dht") if dht is not None else None, want_dh0)
@@ -311,17 +312,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
 
 def cp_forward_stage(cp, q, k, v, g, beta, scale, use_l2, keep_state):
     """One rank's CP forward (a stage generator, `_runtime/cp.py`): (o, what cp_backward_stage needs)."""
-    res, h0, gathered = yield from forward_stage(q, k, v, g, beta, None, cp.cu_seqlens, scale, False, use_l2,
+    res, h0, kept_m = yield from forward_stage(q, k, v, g, beta, None, cp.cu_seqlens, scale, False, use_l2,
                                                  keep_state, cp=cp)
-    return res[0], (q, k, v, g, beta, h0, res[2:], gathered, scale, use_l2, keep_state)
+    return res[0], (q, k, v, g, beta, h0, res[2:], kept_m, scale, use_l2, keep_state)
 
 
 def cp_backward_stage(cp, saved, do):
     """One rank's CP backward (a stage generator): the gradients of q, k, v, g, beta (then None for the rest)."""
-    q, k, v, g, beta, h0, (qn, kk, gc, A, w, h, vn, se, table), gathered, scale, use_l2, keep_state = saved
+    q, k, v, g, beta, h0, (qn, kk, gc, A, w, h, vn, se, table), kept_m, scale, use_l2, keep_state = saved
     dq, dk, dv, dg, db, _ = yield from backward_stage(do, None, q, k, qn, kk, v, g, beta, h0, gc, A, w, h, vn, se,
                                                       table, scale, use_l2, keep_state, False, cp=cp,
-                                                      gathered_fwd=gathered)
+                                                      kept_m=kept_m)
     return dq, dk, dv, dg, db, None, None, None
 
 

@@ -135,7 +135,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
                   output_final_state, use_l2, trans_state, cp=None):
     """kda_forward as a stage generator: under a CP context (`cp`, whose cu_seqlens the call reads; states in the
     [K, V] layout) it exchanges states with the other ranks before the recurrence (`delta_rule/cp.py`) and also
-    returns (h0, the gathered buffer)."""
+    returns (h0, kept_m: the transitions its backward reads)."""
     tab = configs.CONFIGS[arch_of(q, "q")]
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -198,10 +198,10 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
                STORE_H=store_h, VU=u_x.shape[-1], DECAYED=decayed, INTERPRET=INTERPRET, **_cfg(tab, cname))
         return h, vn, ht
 
-    gathered = None
+    kept_m = None
     se_own = se
     if cp is not None:
-        h0, gathered, se_own = yield from cp_core.incoming_states(
+        h0, kept_m, se_own = yield from cp_core.incoming_states(
             cp, se, u, HV, K, V, lambda se_x, u_x, h0_x, VX, own: run_state(se_x, u_x, h0_x, se_x.shape[0], VX, True,
                                                                            own)[2])
     h, vn, ht = run_state(se_own, u, h0, N, V, output_final_state, True)
@@ -212,7 +212,7 @@ def forward_stage(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     if not use_l2:
         qn, kk = core.empty0(device, dt), core.empty0(device, dt)
     res = (o, ht, qn, kk, gc, A, Aqk, w, h, vn, se, table)
-    return res if cp is None else (res, h0, gathered)
+    return res if cp is None else (res, h0, kept_m)
 
 
 def kda_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
@@ -233,8 +233,8 @@ def kda_backward(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: tor
 
 def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_state, gc, A, Aqk, w, h, vn, se, table,
                    scale, lower_bound, gate, use_l2, trans_state, output_final_state=True, cp=None,
-                   gathered_fwd=None):
-    """kda_backward as a stage generator: under a CP context (`cp`; `gathered_fwd` the forward's gathered buffer)
+                   kept_m=None):
+    """kda_backward as a stage generator: under a CP context (`cp`; `kept_m` the transitions the forward kept)
     it exchanges state gradients with the other ranks before the reverse recurrence and returns no dh0."""
     tab = configs.CONFIGS[arch_of(q, "q")]
     B, T, H, K = q.shape
@@ -287,7 +287,7 @@ def backward_stage(do, dht, q, k, qn, kk, v, g, beta, A_log, dt_bias, initial_st
 
     se_own = se
     if cp is not None:
-        dht, se_own = yield from cp_core.outgoing_grads(cp, se, gathered_fwd, HV, K, V, lambda se_x, dht_x, own:
+        dht, se_own = yield from cp_core.outgoing_grads(cp, se, kept_m, HV, K, V, lambda se_x, dht_x, own:
             run_dh(se_x, dht_x, (se_x.shape[0], HV, K, V), own)[2])
     want_dh0 = initial_state is not None and cp is None
     dhe, dd, dh0 = run_dh(se_own, _c(dht.to(torch.float32), "dht") if dht is not None else None,
@@ -403,19 +403,19 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
 def cp_forward_stage(cp, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, gate, use_l2):
     """One rank's CP forward (a stage generator, `_runtime/cp.py`): (o, what cp_backward_stage needs)."""
-    res, h0, gathered = yield from forward_stage(q, k, v, g, beta, A_log, dt_bias, None, cp.cu_seqlens, scale,
+    res, h0, kept_m = yield from forward_stage(q, k, v, g, beta, A_log, dt_bias, None, cp.cu_seqlens, scale,
                                                  lower_bound, gate, False, use_l2, False, cp=cp)
-    return res[0], (q, k, v, g, beta, A_log, dt_bias, h0, res[2:], gathered, scale, lower_bound, gate, use_l2)
+    return res[0], (q, k, v, g, beta, A_log, dt_bias, h0, res[2:], kept_m, scale, lower_bound, gate, use_l2)
 
 
 def cp_backward_stage(cp, saved, do):
     """One rank's CP backward (a stage generator): the gradients of q, k, v, g, beta, then this rank's partial sums
     of the gradients of A_log and dt_bias (None without the in-kernel gate), then None for the rest."""
-    q, k, v, g, beta, A_log, dt_bias, h0, res, gathered, scale, lower_bound, gate, use_l2 = saved
+    q, k, v, g, beta, A_log, dt_bias, h0, res, kept_m, scale, lower_bound, gate, use_l2 = saved
     qn, kk, gc, A, Aqk, w, h, vn, se, table = res
     dq, dk, dv, dg, db, dA, ddt, _ = yield from backward_stage(
         do, None, q, k, qn, kk, v, g, beta, A_log, dt_bias, h0, gc, A, Aqk, w, h, vn, se, table, scale, lower_bound,
-        gate, use_l2, False, False, cp=cp, gathered_fwd=gathered)
+        gate, use_l2, False, False, cp=cp, kept_m=kept_m)
     return dq, dk, dv, dg, db, (dA if gate else None), (ddt if gate else None), None, None, None, None
 
 
