@@ -81,6 +81,30 @@ def test_cp_bf16_within_the_one_process_budgets_and_det_bits(layout, W, lens, ex
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("layout, W, lens, exchanges", [CASES[0], CASES[5], CASES[6]])
+def test_exchange_buffers_poisoned(monkeypatch, layout, W, lens, exchanges):
+    """The exchange's send buffers and the chain's scratch are left unfilled (their padding, and the M columns of a
+    true state, are never read): with every torch.empty poisoned with NaN while the CP pass runs, it gives the same
+    bits as without (a chain that reads a true state's M columns fails it)."""
+    inp = demo_mod.make_inputs(lens, 1, 2, 16, 32, "cpu", h0=False)
+    o, grads = _cp(inp, layout, W, True, exchanges=exchanges)
+    core = importlib.import_module("miles_ext_kernels.cake._impl.delta_rule.cp")
+    empty = torch.empty
+    made = []
+
+    def poisoned(*args, **kw):
+        x = empty(*args, **kw)
+        made.append(x.shape)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(core.torch, "empty", poisoned)
+    o2, grads2 = _cp(inp, layout, W, True, exchanges=exchanges)
+    monkeypatch.undo()
+    assert made, "no buffer was poisoned"
+    assert torch.equal(o, o2)
+    for a, b in zip(grads, grads2):
+        assert torch.equal(a, b)
+
 def test_plan_pieces_and_tables():
     """The plan's pieces tile every document in order; a contiguous rank inside one document exports and imports
     through its transition; zigzag gives each rank chunks r and 2W - 1 - r, rank W - 1's two as one piece."""
