@@ -104,12 +104,17 @@ def _schedule(lens: list, exchanges: int) -> tuple:
     the pieces run the extra state pass; the forward's k-th exchange completes the incoming states of the pieces
     after the (k - 1)-th waiting piece up to the k-th, the backward's the mirror image."""
     n = len(lens)
-    middle = sorted(range(1, n - 1), key=lambda i: (-lens[i], -i))[:exchanges - 1]
-    fwd_anchors = [0] + sorted(middle)
-    bwd_anchors = [n - 1] + middle
+    middle = set(sorted(range(1, n - 1), key=lambda i: (-lens[i], -i))[:exchanges - 1]) if exchanges > 1 else set()
     waits = [i in middle for i in range(n)]
-    fwd = [sum(a < i for a in fwd_anchors) for i in range(n)]
-    bwd = [sum(b > i for b in bwd_anchors) for i in range(n)]
+    fwd, bwd = [0] * n, [0] * n
+    seen = 0  # anchors before i: piece 0 and the waiting pieces
+    for i in range(n):
+        fwd[i] = seen
+        seen += i == 0 or waits[i]
+    seen = 0  # anchors after i: the last piece and the waiting pieces
+    for i in range(n - 1, -1, -1):
+        bwd[i] = seen
+        seen += i == n - 1 or waits[i]
     return waits, fwd, bwd
 
 
@@ -369,44 +374,40 @@ class CPContext:
         if key in self._cache:
             return self._cache[key]
         R = width - 1
-        loc = {}  # (rank, seg) -> local start row
-        for lst in self.all_pieces:
-            off = 0
-            for p in lst:
-                loc[(p.rank, p.seg)] = off
-                off += p.end - p.start
-
-        def source(doc_pieces, pos):
-            """(exporting piece, row r of its sent rows) that holds global token pos, or None."""
-            for q in doc_pieces:
-                if q.start <= pos < q.end:
-                    return q, pos - (q.end - R)
-            return None
-
+        loc, off = [], 0  # local start row of each of this rank's pieces
+        for p in self.pieces:
+            loc.append(off)
+            off += p.end - p.start
         export = [[-1] * R for _ in range(self.max_export)]
         for e, seg in enumerate(self.export_slots[self.rank]):
             p = self.pieces[seg]
             for r in range(R):
                 g = p.end - R + r
                 if g >= p.start:
-                    export[e][r] = loc[(p.rank, p.seg)] + g - p.start
+                    export[e][r] = loc[seg] + g - p.start
         state = [[-1] * width for _ in self.pieces]
         users: dict = {}  # (rank, export slot, r) -> [flat gathered state-gradient rows], in (rank, slot, k) order
-        for lst in self.all_pieces:
-            for p in lst:
-                if not p.imports:
-                    continue
-                dp = self._doc_pieces(p.doc)[:p.index]
+        me = self.rank
+        for doc in self._by_doc.values():  # a document's pieces tile it in order
+            for idx in range(1, len(doc)):
+                p, prev = doc[idx], doc[idx - 1]
+                if p.rank != me and prev.rank != me and prev.end - prev.start >= R:
+                    continue  # its halo lies in one piece of another rank: nothing of this rank's tables
                 i = self._import_pos[p.rank][p.seg]
-                for k in range(1, width):
-                    src = source(dp, p.start - k)
-                    if src is None:
-                        continue
-                    q, r = src
+                j = idx - 1
+                for k in range(1, width):  # entry width - k reads token p.start - k, walking back over the pieces
+                    pos = p.start - k
+                    while j >= 0 and pos < doc[j].start:
+                        j -= 1
+                    if j < 0:
+                        break
+                    q = doc[j]
+                    r = pos - (q.end - R)
                     e = self._export_pos[q.rank][q.seg]
-                    if p.rank == self.rank:
+                    if p.rank == me:
                         state[p.seg][width - k] = (q.rank * self.max_export + e) * R + r
-                    users.setdefault((q.rank, e, r), []).append((p.rank * self.max_import + i) * R + (k - 1))
+                    if q.rank == me:
+                        users.setdefault((q.rank, e, r), []).append((p.rank * self.max_import + i) * R + (k - 1))
         grad = [[] for _ in range(self.max_export * R)]
         rows, slots = [], []
         for e, seg in enumerate(self.export_slots[self.rank]):
