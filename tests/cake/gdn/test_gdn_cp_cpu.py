@@ -105,6 +105,25 @@ def test_exchange_buffers_poisoned(monkeypatch, layout, W, lens, exchanges):
     for a, b in zip(grads, grads2):
         assert torch.equal(a, b)
 
+def test_forward_keeps_only_the_transitions_its_backward_reads():
+    """The forward saves for the backward the K x K transitions of the pieces its chains fold (zigzag W = 4, a
+    document in pieces 0 - 6, piece 3 waiting: at most two per document), not the gathered buffers (W times a rank's
+    sends per exchange)."""
+    inp = demo_mod.make_inputs([64, 136], 1, 2, 16, 32, "cpu", h0=False)
+    ctxs = rcp.simulated_contexts(inp["cu"], 4, layout="zigzag")
+    K = inp["q"].shape[-1]
+    fw = rcp.run_simulated([ops.cp_forward_stage(c, *[rcp.shard(x, c) for x in _whole(inp)], K ** -0.5, True, True)
+                            for c in ctxs])
+    for c, (_, saved) in zip(ctxs, fw):
+        kept_m = saved[7]
+        want = sum(c.state_round(k)["keep"].numel() for k in range(1, c.state_exchanges + 1))
+        assert tuple(kept_m.shape) == (want, 2, K, K)
+        gathered_rows = c.world * sum(c.max_fwd_send)
+        assert want <= 2 * 2 < gathered_rows  # two documents
+    # per document: piece 0 (rank 0) folds 3, 2, 1 (M of 2 and 1); piece 1 (rank 1) folds 3, 2; piece 4 (rank 2)
+    # folds 6, 5; piece 3 (rank 3) folds 6, 5, 4; pieces 2 and 5 fold a true gradient only
+    assert [r[1][7].shape[0] for r in fw] == [4, 2, 2, 4]
+
 def test_plan_pieces_and_tables():
     """The plan's pieces tile every document in order; a contiguous rank inside one document exports and imports
     through its transition; zigzag gives each rank chunks r and 2W - 1 - r, rank W - 1's two as one piece."""
