@@ -313,7 +313,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
 def cp_forward_stage(cp, q, k, v, g, beta, scale, use_l2, keep_state):
     """One rank's CP forward (a stage generator, `_runtime/cp.py`): (o, what cp_backward_stage needs)."""
     res, h0, kept_m = yield from forward_stage(q, k, v, g, beta, None, cp.cu_seqlens, scale, False, use_l2,
-                                                 keep_state, cp=cp)
+                                               keep_state, cp=cp)
     return res[0], (q, k, v, g, beta, h0, res[2:], kept_m, scale, use_l2, keep_state)
 
 

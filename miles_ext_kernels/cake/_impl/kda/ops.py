@@ -404,7 +404,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 def cp_forward_stage(cp, q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, gate, use_l2):
     """One rank's CP forward (a stage generator, `_runtime/cp.py`): (o, what cp_backward_stage needs)."""
     res, h0, kept_m = yield from forward_stage(q, k, v, g, beta, A_log, dt_bias, None, cp.cu_seqlens, scale,
-                                                 lower_bound, gate, False, use_l2, False, cp=cp)
+                                               lower_bound, gate, False, use_l2, False, cp=cp)
     return res[0], (q, k, v, g, beta, A_log, dt_bias, h0, res[2:], kept_m, scale, lower_bound, gate, use_l2)
 
 
