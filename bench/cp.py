@@ -92,6 +92,12 @@ def _stage_args(x, p):
     return ops, [x["A_log"], x["dt_bias"]], (scale, SAFE_LB, gate, True)
 
 
+def saved_m_bytes(ctxs, p) -> int:
+    """The most bytes of transitions M one rank's forward keeps for its backward (the rows its chains fold)."""
+    rows = max(sum(c.state_round(k)["keep"].numel() for k in range(1, c.state_exchanges + 1)) for c in ctxs)
+    return rows * p["HV"] * p["K"] * p["K"] * 4
+
+
 def comm_bytes(ctx, p) -> dict:
     """all_gather bytes one rank sends per layer call (forward states, backward state gradients: every exchange)."""
     HV, K, V = p["HV"], p["K"], p["V"]
@@ -223,11 +229,11 @@ def overheads(rows: list, params: dict) -> list:
         if base is None:
             continue
         p = params[shape]
-        ctx = rcp.simulated_contexts([0] + torch.tensor(p["lens"]).cumsum(0).tolist(), int(w[2:]), layout=layout,
-                                     state_exchanges=exchanges)[0]
+        ctxs = rcp.simulated_contexts([0] + torch.tensor(p["lens"]).cumsum(0).tolist(), int(w[2:]), layout=layout,
+                                      state_exchanges=exchanges)
         out.append({"shape": shape, "provider": prov, "mode": mode, "vs_per_rank": round(ms / base, 3),
                     "bar_ok": ms / base <= BAR, "vs_one_call": round(ms / one, 3) if one else None,
-                    **comm_bytes(ctx, p)})
+                    **comm_bytes(ctxs[0], p), "saved_m_bytes": saved_m_bytes(ctxs, p)})
     return out
 
 
@@ -246,7 +252,7 @@ def main(argv=None) -> int:
     if ov:
         print()
         print(f"CP time / the per-rank plain calls' (bar <= {BAR}) and / the one call's; all_gather bytes one rank "
-              "sends per layer call")
+              "sends per layer call; the most bytes of transitions a rank's forward keeps for its backward")
         print_table(ov, list(ov[0]))
         rows = doc.pop("rows")
         write_results(path.stem, rows, dict(doc, overhead=ov), out_dir=path.parent)

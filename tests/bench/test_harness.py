@@ -109,6 +109,9 @@ def test_declaration_dry_run(name, tmp_path):
         assert all(r["bits_repeat"] for r in rows if r["provider"] == "cake det")
     skipped = {s["provider"] for s in doc["skipped"]}
     assert skipped.isdisjoint(set().union(*ON_CPU[name].values()))
+    if name == "cp":  # the transitions a rank keeps for its backward: at most two K x K per document at zigzag W = 4
+        saved = {(r["shape"], r["provider"]): r["saved_m_bytes"] for r in doc["overhead"]}
+        assert saved[("gdn 2 docs", "cp W=4 zigzag")] == 4 * 2 * 16 * 16 * 4  # 2 docs, HV 2, K 16, fp32
     if name in ("conv1d", "norms"):  # an FP64 reference that runs on CPU
         ours = [r for r in doc["accuracy"] if r["provider"].startswith("cake")]
         assert ours and all(v < 2e-2 for r in ours for k, v in r.items() if k.startswith("err_"))
