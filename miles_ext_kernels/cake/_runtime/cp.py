@@ -283,6 +283,13 @@ class CPContext:
         pos, width = (self._fwd_pos, self.max_fwd_send) if fwd else (self._bwd_pos, self.max_bwd_send)
         return p.rank * width[k - 1] + pos[k - 1][p.rank][p.seg]
 
+    def _state_chain(self, p: Piece) -> list:
+        """The pieces whose (E, M) fold into piece p's incoming state, in recurrence order: its document's earlier
+        pieces from the last one that sends a true state."""
+        chain = self._doc_pieces(p.doc)[:p.index]
+        first = max(i for i, q in enumerate(chain) if q.index == 0 or q.waits)
+        return chain[first:]
+
     def _grad_chain(self, p: Piece) -> list:
         """The pieces whose D folds into piece p's end-state gradient: the later pieces of its document up to the
         first one that sends a true gradient, that one first."""
@@ -313,13 +320,9 @@ class CPContext:
         for p in self.pieces:
             if (p.fwd_round if fwd else p.bwd_round) != k:
                 continue
-            doc = self._doc_pieces(p.doc)
             if fwd:  # the earlier pieces from the last one that sends a true state, in recurrence order
-                chain = doc[:p.index]
-                first = max(i for i, q in enumerate(chain) if q.index == 0 or q.waits)
-                chain = chain[first:]
                 rows.append([(self._send_slot(q, k, True), -1 if i == 0 else self._send_slot(q, k, True))
-                             for i, q in enumerate(chain)])
+                             for i, q in enumerate(self._state_chain(p))])
             else:    # the later pieces from the first one that sends a true gradient, back to p
                 kept = self._kept_m()
                 rows.append([(self._send_slot(q, k, False),
